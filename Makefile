@@ -1,0 +1,32 @@
+# Two commands do all the setup on a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+TINY_MODEL ?= models/tiny-llama
+
+.PHONY: venv serve test bench clean-venv
+
+venv: $(VENV)/.installed
+
+# torch first and pinned: an unpinned torch pulls several GB of CUDA packages.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+$(TINY_MODEL)/config.json: | venv
+	$(PY) -m flagserve.models.tiny $(TINY_MODEL)
+
+serve: venv $(TINY_MODEL)/config.json
+	$(PY) examples/offline_inference.py --model $(TINY_MODEL)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+bench: venv
+	$(PY) benchmarks/throughput.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,42 @@
+"""Prefill / extend attention over the paged cache.
+
+q holds the new tokens of a variable-length batch flattened to [num_tokens, num_q_heads,
+head_dim]; sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]. Its K/V (cached prefix and
+the new tokens, already stored) live in the blocks of block_tables[b], seq_lens[b] tokens in
+all. New token i of sequence b sits at position seq_lens[b] - q_len + i and attends causally
+to every position up to its own, so prefix-cache hits and chunked prefill are the same case.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    tables = block_tables.tolist()
+    for b, kv_len in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = (kv_len + block_size - 1) // block_size
+        blocks = torch.tensor(tables[b][:num_blocks], device=q.device, dtype=torch.long)
+        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=q.device)).flatten()
+        slots = slots[:kv_len]
+        k = k_flat[slots].transpose(0, 1)  # [Hkv, kv_len, D]
+        v = v_flat[slots].transpose(0, 1)
+        qb = q[q_start:q_end].transpose(0, 1)  # [Hq, q_len, D]
+        if q_len == kv_len:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[q_start:q_end] = o.transpose(0, 1)
+    return out
