@@ -1,0 +1,52 @@
+"""Incremental detokenization and stop-string matching for one sequence.
+
+Decoding a window that starts a few tokens back and keeping only the new suffix gives the
+same text as decoding everything (spaces and multi-byte characters that span tokens
+included) at a cost independent of the output length.
+"""
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first outputs, for correct spacing
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: PreTrainedTokenizerBase
+    skip_special_tokens: bool
+    prefix_offset: int
+    read_offset: int
+    text: str = ""
+
+    @classmethod
+    def for_prompt(cls, tokenizer: PreTrainedTokenizerBase, num_prompt_tokens: int,
+                   skip_special_tokens: bool) -> "IncrementalDetokenizer":
+        return cls(tokenizer, skip_special_tokens,
+                   max(num_prompt_tokens - CONTEXT_TOKENS, 0), num_prompt_tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def append(self, token_ids: list[int]) -> str:
+        """token_ids: the whole sequence, its newest token last. Returns the new text."""
+        prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(token_ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 character or nothing visible yet: wait for more
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        self.text += delta
+        return delta
+
+
+def find_stop_string(text: str, delta_len: int, stops: list[str]) -> tuple[str, int] | None:
+    """The earliest stop string that the last delta_len characters completed, and where."""
+    best: tuple[str, int] | None = None
+    for stop in stops:
+        # A match must end inside the delta, so it starts at most len(stop)-1 chars before it.
+        start = max(len(text) - delta_len - len(stop) + 1, 0)
+        idx = text.find(stop, start)
+        if idx != -1 and (best is None or idx < best[1]):
+            best = (stop, idx)
+    return best

@@ -1,0 +1,50 @@
+"""Engine configuration: what a user passes to LLM(...) or a serve config's engine_args."""
+from dataclasses import asdict, dataclass
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    num_kv_blocks: int | None = None  # default: derived from the memory budget below
+    gpu_memory_utilization: float = 0.9  # CUDA: share of device memory the engine may use
+    cpu_kv_cache_space_gib: float = 4.0  # CPU: memory for the KV cache
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"EngineArgs.{name} {message}")
+
+        check(isinstance(self.model, str) and bool(self.model), "model", "must be a model directory path")
+        check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.attention_backend in BACKENDS, "attention_backend",
+              f"must be one of {BACKENDS}, got {self.attention_backend!r}")
+        check(isinstance(self.block_size, int) and self.block_size > 0
+              and self.block_size & (self.block_size - 1) == 0, "block_size",
+              f"must be a positive power of two, got {self.block_size!r}")
+        check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",
+              f"must be an integer >= 1, got {self.max_num_seqs!r}")
+        for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, int) and value >= 1), name,
+                  f"must be a positive integer or None, got {value!r}")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+              f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        check(self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space_gib",
+              f"must be > 0, got {self.cpu_kv_cache_space_gib!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

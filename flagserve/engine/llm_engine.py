@@ -1,0 +1,254 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduler + model step at a time.
+
+The offline `LLM` loops over step(); the server drives the same loop from an async task.
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from flagserve.engine.block_manager import BlockManager
+from flagserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from flagserve.engine.engine_args import EngineArgs
+from flagserve.engine.model_runner import ModelRunner
+from flagserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from flagserve.engine.scheduler import Scheduler, SchedulerConfig
+from flagserve.engine.sequence import Sequence
+from flagserve.engine.stats import EngineStats
+from flagserve.layers.sampler import SamplerOutput
+from flagserve.models.config import load_model_config
+
+DEFAULT_CHUNKED_BATCH_TOKENS = 4096
+
+
+def child_seed(seed: int, index: int) -> int:
+    """Distinct, reproducible seeds for the n samples of one seeded request."""
+    return seed if index == 0 else (seed * 0x9E3779B1 + index * 0x85EBCA77) % 2**63
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    metrics: RequestMetrics
+    sent_text: list[int]  # per sequence, for DELTA outputs: chars and tokens already returned
+    sent_tokens: list[int]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.model_config = cfg = load_model_config(args.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"EngineArgs.max_model_len={self.max_model_len} exceeds the model's "
+                             f"{cfg.max_position_embeddings} positions; lower it")
+        batched = args.max_num_batched_tokens or (
+            DEFAULT_CHUNKED_BATCH_TOKENS if args.enable_chunked_prefill else self.max_model_len)
+        if not args.enable_chunked_prefill and batched < self.max_model_len:
+            raise ValueError(f"EngineArgs.max_num_batched_tokens={batched} is smaller than max_model_len="
+                             f"{self.max_model_len}: without chunked prefill a whole prompt must fit "
+                             "in one step; raise it or enable_chunked_prefill=True")
+        eos = cfg.eos_token_ids or ((self.tokenizer.eos_token_id,)
+                                    if self.tokenizer.eos_token_id is not None else ())
+        self.eos_token_ids = frozenset(eos)
+        self.runner = ModelRunner(args, cfg, self.max_model_len, tuple(eos))
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, args.block_size,
+                                          args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, batched, self.max_model_len, args.enable_chunked_prefill),
+            self.block_manager)
+        self.requests: dict[str, RequestState] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._num_steps = 0
+        self._step_seconds = 0.0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    # Requests
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return None, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                             f"at most {self.max_model_len - 1} prompt tokens leave room to generate")
+        arrival = time.time() if arrival_time is None else arrival_time
+        device = self.runner.device
+        seqs, detoks = [], []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(child_seed(params.seed, i))
+            seqs.append(Sequence(request_id, i, list(ids), len(ids), params, arrival, gen))
+            detoks.append(IncrementalDetokenizer.for_prompt(self.tokenizer, len(ids),
+                                                            params.skip_special_tokens))
+        self.requests[request_id] = RequestState(request_id, text, ids, params, seqs, detoks,
+                                                 RequestMetrics(arrival), [0] * params.n, [0] * params.n)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # The step
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.time()
+        for seq in batch.seqs:
+            state = self.requests[seq.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+                self._prompt_tokens += len(state.prompt_token_ids)
+        sampled, output = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        touched = self._process_samples(sampled, output) if output is not None else []
+        outputs = [o for o in (self._make_output(self.requests[r]) for r in touched) if o is not None]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        self._num_steps += 1
+        self._step_seconds += time.perf_counter() - start
+        return outputs
+
+    def _process_samples(self, seqs: list[Sequence], out: SamplerOutput) -> list[str]:
+        now = time.time()
+        touched: dict[str, None] = {}
+        for row, seq in enumerate(seqs):
+            token = out.token_ids[row]
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += out.logprobs[row]
+            if seq.params.logprobs is not None:
+                self._record_logprobs(seq, row, out)
+            state = self.requests[seq.request_id]
+            state.metrics.first_token_time = state.metrics.first_token_time or now
+            state.metrics.last_token_time = now
+            self._generation_tokens += 1
+            self._check_stop(seq, state.detokenizers[seq.index], token)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = None
+        return list(touched)
+
+    def _record_logprobs(self, seq: Sequence, row: int, out: SamplerOutput) -> None:
+        token = out.token_ids[row]
+        entry = {token: Logprob(out.logprobs[row], out.ranks[row], self.tokenizer.decode([token]))}
+        if out.top_token_ids is not None:
+            for rank, (tid, lp) in enumerate(zip(out.top_token_ids[row][:seq.params.logprobs],
+                                                 out.top_logprobs[row]), start=1):
+                entry.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
+        if seq.logprobs is None:
+            seq.logprobs = []
+        seq.logprobs.append(entry)
+
+    def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> None:
+        p = seq.params
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"  # the EOS token's text is not part of the output
+        elif may_stop and token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        else:
+            delta = detok.append(seq.token_ids)
+            if may_stop and p.stop_list and delta:
+                hit = find_stop_string(detok.text, len(delta), p.stop_list)
+                if hit is not None:
+                    stop, idx = hit
+                    detok.text = detok.text[:idx + (len(stop) if p.include_stop_str_in_output else 0)]
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    return
+            if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) \
+                    or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        finished = state.finished
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if finished:
+            state.metrics.finished_time = time.time()
+        completions = []
+        stops = state.params.stop_list
+        # Hold back text that may turn out to be the start of a stop string.
+        hold = max(map(len, stops)) - 1 if stops else 0
+        for seq, detok in zip(state.seqs, state.detokenizers):
+            text, tokens, logprobs = detok.text, seq.output_token_ids, seq.logprobs
+            if hold and not seq.is_finished:
+                text = text[:max(len(text) - hold, state.sent_text[seq.index])]
+            if kind == RequestOutputKind.DELTA:
+                i, t = state.sent_text[seq.index], state.sent_tokens[seq.index]
+                text, tokens = text[i:], tokens[t:]
+                logprobs = logprobs[t:] if logprobs is not None else None
+                state.sent_text[seq.index] += len(text)
+                state.sent_tokens[seq.index] += len(tokens)
+            elif logprobs is not None:
+                logprobs = list(logprobs)
+            completions.append(CompletionOutput(
+                seq.index, text, tokens,
+                seq.cumulative_logprob, logprobs, seq.finish_reason, seq.stop_reason))
+        state.metrics.num_cached_tokens = max(s.num_cached_tokens for s in state.seqs)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             finished, state.metrics, state.metrics.num_cached_tokens)
+
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage(),
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._num_steps,
+            step_seconds=self._step_seconds,
+            forward_seconds=self.runner.forward_seconds,
+        )

@@ -1,0 +1,105 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step has one token budget shared by decodes and prefill chunks. Running sequences go
+first, oldest first; when the cache runs out of blocks the newest running sequence is
+preempted (its blocks freed, recomputed later, usually straight from the prefix cache). Waiting
+sequences are admitted FCFS while budget, sequence slots and blocks last.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from flagserve.engine.block_manager import BlockManager
+from flagserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences and their new-token counts, decodes (one new token) first."""
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running.pop()  # the newest; never one already scheduled
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slots(seq, num_new)
+                scheduled[seq] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq itself was preempted: everything after it is gone too
+
+        # After a preemption the cache is full: admitting more would only thrash.
+        while not preempted and self.waiting and budget > 0 \
+                and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.block_manager.match_prefix(seq)
+            remaining = seq.num_tokens - len(hits) * self.block_manager.block_size
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget)
+            if not self.block_manager.can_admit(hits, num_new):
+                break
+            self.waiting.popleft()
+            self.block_manager.admit(seq, hits)
+            self.block_manager.append_slots(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq] = num_new
+            budget -= num_new
+
+        order = sorted(scheduled, key=lambda s: scheduled[s] != 1)  # stable: decodes first
+        return ScheduledBatch(order, [scheduled[s] for s in order])
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_sequence(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and release its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free_sequence(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED

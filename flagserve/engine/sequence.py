@@ -1,0 +1,65 @@
+"""One generation stream: its tokens, its place in the KV cache and its sampling state."""
+import enum
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from flagserve.engine.outputs import SampleLogprobs
+from flagserve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+_seq_ids = count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request with n > 1 owns n sequences that share the prompt (and its cached blocks)."""
+
+    request_id: str
+    index: int  # position among the request's n outputs
+    token_ids: list[int]  # prompt followed by the generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float
+    generator: torch.Generator | None = None  # set when the request has a seed
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, served by the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    cumulative_logprob: float = 0.0
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop the cache state, keep every token generated so far."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table = []
+        self.num_hashed_blocks = 0

@@ -1,0 +1,17 @@
+"""Engine counters and gauges, read by the metrics endpoint and the benchmarks."""
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # sequences queued (new or preempted)
+    kv_cache_usage: float  # share of KV blocks in use, 0..1
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int  # of those, tokens found (cumulative)
+    prompt_tokens: int  # cumulative
+    generation_tokens: int  # cumulative
+    num_preemptions: int  # cumulative
+    num_steps: int
+    step_seconds: float  # wall time inside step(), cumulative
+    forward_seconds: float  # of which model forward + LM head

@@ -1,0 +1,70 @@
+"""The offline API users know from vLLM: LLM(model=...).generate(prompts, sampling_params)."""
+from collections.abc import Sequence as Seq
+from dataclasses import replace
+from itertools import count
+
+from tqdm.auto import tqdm
+
+from flagserve.engine.engine_args import EngineArgs
+from flagserve.engine.llm_engine import LLMEngine
+from flagserve.engine.outputs import RequestOutput
+from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args):
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order. A prompt is a string or token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                request_id = f"offline-{next(self._ids)}"
+                final = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(request_id, prompt, final)
+                order[request_id] = i
+            results: list[RequestOutput | None] = [None] * len(prompts)
+            with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm,
+                      dynamic_ncols=True) as bar:
+                while any(r is None for r in results):
+                    for out in engine.step():
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in order:  # leave the engine clean for the next call
+                engine.abort(request_id)
+            raise
+        return results  # type: ignore[return-value]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        # The template already holds any BOS token: encode without adding special tokens.
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(conv, tokenize=False,
+                                                                  add_generation_prompt=True),
+                                    add_special_tokens=False)
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

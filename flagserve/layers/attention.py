@@ -1,0 +1,36 @@
+"""Paged attention: store this step's K/V, then attend decodes and prefill chunks separately."""
+import torch
+from torch import nn
+
+from flagserve.layers.attention_metadata import AttentionMetadata
+from kernels import KernelOps
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops: KernelOps):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.ops = ops
+        # Bound by the model runner once the cache is allocated.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+        self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return self.ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                                   meta.seq_lens, self.scale)
+        if nd == 0:
+            return self.ops.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                                    meta.cu_seqlens_q, meta.seq_lens, self.scale)
+        out = torch.empty_like(q)
+        out[:nd] = self.ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache,
+                                                   meta.block_tables[:nd], meta.seq_lens[:nd], self.scale)
+        out[nd:] = self.ops.paged_prefill_attention(q[nd:], self.k_cache, self.v_cache,
+                                                    meta.block_tables[nd:], meta.cu_seqlens_q,
+                                                    meta.seq_lens[nd:], self.scale)
+        return out

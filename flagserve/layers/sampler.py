@@ -1,0 +1,126 @@
+"""Turns the last-token logits of a batch into next tokens, per-row sampling parameters.
+
+Order as in vLLM: penalties and min_tokens act on the logits, then greedy rows take the
+argmax; random rows apply temperature, top-k, top-p and min-p and draw with the exponential
+race (argmax of p / Exp(1) noise), whose noise comes from the row's own generator when the
+request has a seed, so its draws do not depend on what else is in the batch. Reported
+logprobs are those of the raw model distribution.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SamplingBatch:
+    temperatures: torch.Tensor  # [N] fp32, 0 = greedy
+    top_ks: torch.Tensor | None  # [N] int64, vocab size where off; None when no row uses it
+    top_ps: torch.Tensor | None  # [N] fp32
+    min_ps: torch.Tensor | None  # [N] fp32
+    all_greedy: bool
+    # Penalties (None when no row uses them)
+    presence_penalties: torch.Tensor | None = None  # [N]
+    frequency_penalties: torch.Tensor | None = None  # [N]
+    repetition_penalties: torch.Tensor | None = None  # [N]
+    output_token_ids: list[list[int]] | None = None
+    prompt_token_ids: list[list[int]] | None = None
+    banned_token_ids: list[list[int]] | None = None  # per row: stop/EOS ids masked by min_tokens
+    generators: dict[int, torch.Generator] | None = None  # row -> seeded generator
+    max_num_logprobs: int = -1  # -1: no row asked for logprobs; 0: only the sampled token's
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token
+    ranks: list[int] | None  # of each sampled token, when logprobs were asked for
+    top_token_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+def _token_mask(rows: list[list[int]], vocab_size: int, device: torch.device,
+                counts: bool = False) -> torch.Tensor:
+    """[N, vocab] occurrence counts (or a bool mask) of each row's token ids."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width + 1), vocab_size, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    out = torch.zeros(len(rows), vocab_size + 1, device=device)
+    out.scatter_add_(1, ids.to(device), torch.ones_like(ids, dtype=out.dtype, device=device))
+    out = out[:, :vocab_size]
+    return out if counts else out > 0
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    if batch.repetition_penalties is not None:
+        seen = _token_mask([p + o for p, o in zip(batch.prompt_token_ids, batch.output_token_ids)],
+                           vocab, logits.device)
+        penalty = torch.where(seen, batch.repetition_penalties[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if batch.presence_penalties is not None:
+        counts = _token_mask(batch.output_token_ids, vocab, logits.device, counts=True)
+        logits = logits - batch.frequency_penalties[:, None] * counts
+        logits = logits - batch.presence_penalties[:, None] * (counts > 0)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.min_ps is not None:
+        probs = logits.softmax(-1)
+        threshold = batch.min_ps[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if batch.top_ks is None and batch.top_ps is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if batch.top_ks is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits.masked_fill_(ranks[None, :] >= batch.top_ks[:, None], float("-inf"))
+    if batch.top_ps is not None:
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # the top token always survives
+        sorted_logits.masked_fill_(mass_before > batch.top_ps[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Generator] | None,
+                      device: torch.device, default: torch.Generator) -> torch.Tensor:
+    noise = torch.empty(shape, device=device)
+    if not generators:
+        return noise.exponential_(generator=default)
+    for row in range(shape[0]):
+        noise[row].exponential_(generator=generators.get(row, default))
+    return noise
+
+
+class Sampler(nn.Module):
+    def __init__(self, seed: int, device: torch.device):
+        super().__init__()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(-1)
+        if batch.repetition_penalties is not None or batch.presence_penalties is not None:
+            logits = apply_penalties(logits, batch)
+        if batch.banned_token_ids is not None:
+            for row, banned in enumerate(batch.banned_token_ids):
+                if banned:
+                    logits[row, banned] = float("-inf")
+        tokens = logits.argmax(-1)
+        if not batch.all_greedy:
+            temps = batch.temperatures.clamp_min(1e-5)[:, None]
+            probs = apply_top_k_top_p_min_p(logits / temps, batch).softmax(-1)
+            noise = exponential_noise(tuple(probs.shape), batch.generators, probs.device, self.generator)
+            sampled = (probs / noise).argmax(-1)
+            tokens = torch.where(batch.temperatures == 0, tokens, sampled)
+        sampled_lp = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        ranks = top_ids = top_lps = None
+        if batch.max_num_logprobs >= 0:
+            ranks = ((raw_logprobs > sampled_lp[:, None]).sum(-1) + 1).tolist()
+        if batch.max_num_logprobs > 0:
+            top = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)
+            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+        return SamplerOutput(tokens.tolist(), sampled_lp.tolist(), ranks, top_ids, top_lps)

@@ -1,0 +1,113 @@
+"""The fields of an HF config.json that the decoder needs, read and checked in one place."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (Qwen2; optional for Llama)
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+
+def _rope_config(cfg: dict) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta inside); older configs use rope_theta +
+    # rope_scaling. Real checkpoints on disk use either.
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"config.json rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                      "original_max_position_embeddings") if k in params}
+    return RopeConfig(theta=float(theta), rope_type=rope_type, **fields)
+
+
+def _eos_ids(model_dir: Path, cfg: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_path = model_dir / "generation_config.json"
+    sources = [cfg]
+    if gen_path.exists():
+        sources.insert(0, json.loads(gen_path.read_text()))
+    for source in sources:
+        eos = source.get("eos_token_id")
+        for token in ([eos] if isinstance(eos, int) else eos or []):
+            if token not in ids:
+                ids.append(token)
+    return tuple(ids)
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}: "
+                                "point `model` at a local HF model directory")
+    cfg = json.loads(path.read_text())
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"model architecture {archs or cfg.get('model_type')!r} is not supported; "
+                         f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    sliding = cfg.get("sliding_window")
+    use_sliding = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    if sliding and use_sliding and sliding < max_pos:
+        # Without sliding-window attention we stay exact by never exceeding the window.
+        max_pos = sliding
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=max_pos,
+        rope=_rope_config(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        eos_token_ids=_eos_ids(model_dir, cfg),
+        bos_token_id=cfg.get("bos_token_id"),
+    )
