@@ -1,0 +1,117 @@
+"""LLMEngine's contract with its drivers (the offline LLM and the server loop)."""
+import json
+import shutil
+
+import pytest
+
+from flagserve import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(llama_path):
+    return LLMEngine(EngineArgs(model=llama_path, dtype="float32", max_model_len=128))
+
+
+def drain(engine: LLMEngine) -> list:
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    return outs
+
+
+def test_abort_frees_blocks_and_silences_the_request(engine):
+    engine.add_request("keep", "We cook rice and beans", SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("drop", "The weather today is sunny " * 4, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort("drop")
+    engine.abort("unknown-id")  # ignored
+    outs = drain(engine)
+    assert {o.request_id for o in outs} == {"keep"}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_delta_outputs_concatenate_to_the_final_text(engine):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["zq"],
+                            output_kind=RequestOutputKind.DELTA)
+    engine.add_request("d", "Old computers", params)
+    pieces, tokens = [], []
+    for out in drain(engine):
+        pieces.append(out.outputs[0].text)
+        tokens.extend(out.outputs[0].token_ids)
+    engine.add_request("c", "Old computers", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                            output_kind=RequestOutputKind.FINAL_ONLY))
+    [final] = drain(engine)
+    expected = final.outputs[0]
+    assert "".join(pieces) == expected.text and tokens == expected.token_ids
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ([], "empty"),
+    ("word " * 400, "max_model_len"),
+    ([1, 2, 10**9], "token ids"),
+])
+def test_bad_prompts_raise_clear_errors(engine, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, SamplingParams())
+    assert not engine.has_unfinished()
+
+
+def test_duplicate_request_id(engine):
+    engine.add_request("dup", "hi", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", "hi", SamplingParams(max_tokens=2))
+    drain(engine)
+
+
+def test_generation_stops_at_max_model_len(engine):
+    engine.add_request("long", [5] * 100, SamplingParams(max_tokens=None, ignore_eos=True))
+    out = drain(engine)[-1]
+    assert len(out.outputs[0].token_ids) == 28 and out.outputs[0].finish_reason == "length"
+
+
+def test_unsupported_architecture_lists_supported(llama_path, tmp_path):
+    bad = tmp_path / "gpt2"
+    shutil.copytree(llama_path, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        LLM(str(bad))
+
+
+def test_missing_model_directory_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        LLM(str(tmp_path / "no-such-model"))
+
+
+@pytest.mark.parametrize("kw,field", [({"dtype": "int8"}, "dtype"), ({"block_size": 12}, "block_size"),
+                                      ({"attention_backend": "cuda"}, "attention_backend")])
+def test_bad_engine_args_name_the_field(llama_path, kw, field):
+    with pytest.raises(ValueError, match=f"EngineArgs.{field}"):
+        LLM(llama_path, **kw)
+
+
+def test_token_id_prompts_chat_and_progress_bar(llama_path, capsys):
+    llm = LLM(llama_path, dtype="float32")
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    by_text = llm.generate(["Old computers"] * 3, params)  # use_tqdm defaults to True
+    assert "Processed prompts" in capsys.readouterr().err
+    by_ids = llm.generate([tok.encode("Old computers")], params, use_tqdm=False)
+    assert by_ids[0].outputs[0].token_ids == by_text[0].outputs[0].token_ids
+    assert by_ids[0].prompt is None and by_text[0].prompt == "Old computers"
+    chat = llm.chat([{"role": "user", "content": "Hi there"}], params, use_tqdm=False)[0]
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert chat.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_runs_on_cpu(llama_path, dtype):
+    llm = LLM(llama_path, dtype=dtype)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    half = llm.generate(["The weather today"], params, use_tqdm=False)[0].outputs[0]
+    full = LLM(llama_path, dtype="float32").generate(["The weather today"], params, use_tqdm=False)[0].outputs[0]
+    assert half.token_ids[0] == full.token_ids[0]  # the decisive tiny model agrees at first
+    assert half.logprobs[0][half.token_ids[0]].logprob == pytest.approx(
+        full.logprobs[0][full.token_ids[0]].logprob, abs=0.1)

@@ -1,0 +1,74 @@
+"""The referee: greedy tokens identical to HF transformers, logprobs within 1e-3."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from flagserve import LLM, SamplingParams
+from tests.conftest import ARCHS
+
+NEW_TOKENS = 40
+PROMPTS = [
+    "Hello",
+    "The weather today is sunny and the",
+    "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16 and then",
+    # Several blocks of 16 tokens, not a multiple of the block size.
+    "In the kitchen we cook rice and beans with salt, pepper and a lot of patience, because "
+    "the recipe needs time. Meanwhile the old computer in the corner compiles code, the cat "
+    "sleeps near the window and the rain taps on the roof until evening comes.",
+]
+
+
+def hf_greedy(path: str, prompts: list[str]) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # Like ignore_eos: EOS is generated and generation goes on (min_new_tokens would instead
+    # forbid EOS and change the tokens).
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    out = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers(arch, tiny_model_factory):
+    path = tiny_model_factory(arch)
+    llm = LLM(path, dtype="float32", attention_backend="torch")
+    lengths = [len(llm.get_tokenizer().encode(p)) for p in PROMPTS]
+    assert max(lengths) > 3 * 16, lengths  # one prompt spans several KV blocks
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    ref = hf_greedy(path, PROMPTS)
+    for prompt, out, expected in zip(PROMPTS, outs, ref):
+        assert out.outputs[0].token_ids == expected, prompt
+        assert out.outputs[0].finish_reason == "length"
+    # Distinct continuations: a model stuck on one token would make this test toothless.
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_logprobs_match_transformers(arch, tiny_model_factory):
+    path = tiny_model_factory(arch)
+    llm = LLM(path, dtype="float32")
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True, logprobs=5)
+    out = llm.generate(PROMPTS[1:3], params, use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for req in out:
+        comp = req.outputs[0]
+        ids = torch.tensor([req.prompt_token_ids + comp.token_ids])
+        with torch.no_grad():
+            ref = model(ids).logits[0].float().log_softmax(-1)
+        n = len(req.prompt_token_ids)
+        total = 0.0
+        for i, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            row = ref[n - 1 + i]
+            assert abs(entry[token].logprob - row[token].item()) < 1e-3
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top = row.topk(5)
+            for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
+                assert abs(entry[tid].logprob - lp) < 1e-3
+            total += row[token].item()
+        assert comp.cumulative_logprob == pytest.approx(total, abs=1e-3)

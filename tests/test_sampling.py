@@ -1,0 +1,139 @@
+"""Sampling parameters do what vLLM users expect."""
+import pytest
+
+from flagserve import LLM, SamplingParams
+from flagserve.engine.outputs import RequestOutput
+
+PROMPT = "The weather today is sunny and the"
+
+
+@pytest.fixture(scope="module")
+def llm(llama_path):
+    return LLM(llama_path, dtype="float32")
+
+
+def one(llm: LLM, params: SamplingParams, prompt: str = PROMPT) -> RequestOutput:
+    return llm.generate([prompt], params, use_tqdm=False)[0]
+
+
+def greedy(llm: LLM, n: int = 32, prompt: str = PROMPT):
+    return one(llm, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), prompt).outputs[0]
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = one(llm, params).outputs[0].token_ids
+    assert one(llm, params).outputs[0].token_ids == alone
+    others = ["We cook rice", "Old computers", "Count to ten please"] * 3
+    batch = llm.generate(others[:4] + [PROMPT] + others[4:],
+                         [SamplingParams(temperature=1.0, max_tokens=30)] * 4 + [params]
+                         + [SamplingParams(temperature=0.7, max_tokens=12)] * 5, use_tqdm=False)
+    assert batch[4].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=24, ignore_eos=True)
+    assert one(llm, other_seed).outputs[0].token_ids != alone
+    assert alone != greedy(llm, 24).token_ids  # it really sampled
+
+
+def test_n_returns_n_distinct_samples(llm):
+    out = one(llm, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True))
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    again = one(llm, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True))
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    same = one(llm, SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True))
+    assert same.outputs[0].token_ids == same.outputs[1].token_ids == greedy(llm, 16).token_ids
+
+
+def test_top_k_1_top_p_tiny_and_min_p_1_are_greedy(llm):
+    expected = greedy(llm, 16).token_ids
+    for params in (SamplingParams(top_k=1, seed=3, max_tokens=16, ignore_eos=True),
+                   SamplingParams(top_p=1e-6, seed=3, max_tokens=16, ignore_eos=True),
+                   SamplingParams(min_p=1.0, seed=3, max_tokens=16, ignore_eos=True)):
+        assert one(llm, params).outputs[0].token_ids == expected, params
+
+
+def test_stop_strings_end_the_text_before_them(llm):
+    full = greedy(llm, 32)
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    assert stop.strip() and full.text.find(stop) > 0
+    cut = full.text[:full.text.find(stop)]
+    out = one(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop, "zzzz"]))
+    comp = out.outputs[0]
+    assert (comp.text, comp.finish_reason, comp.stop_reason) == (cut, "stop", stop)
+    assert len(comp.token_ids) < 32
+    kept = one(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=stop,
+                                   include_stop_str_in_output=True)).outputs[0]
+    assert kept.text == cut + stop
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    full = greedy(llm, 32).token_ids
+    stop_id = full[4]
+    first = full.index(stop_id)
+    out = one(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
+                                  stop_token_ids=[stop_id])).outputs[0]
+    assert out.token_ids == full[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    # min_tokens forbids the stop token until 8 tokens are out.
+    banned = one(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, min_tokens=8,
+                                     stop_token_ids=[stop_id])).outputs[0]
+    assert len(banned.token_ids) >= 8
+    assert stop_id not in banned.token_ids[:8]
+
+
+def test_eos_stops_unless_ignored(llm):
+    tokenizer = llm.get_tokenizer()
+    eos = sorted(llm.llm_engine.eos_token_ids)
+    for prompt in ("Hello", "a", "We cook", "Old", "The river", "rain rain", "1 2 3"):
+        full = greedy(llm, 40, prompt).token_ids
+        hit = [i for i, t in enumerate(full) if t in eos]
+        if hit:
+            break
+    else:
+        pytest.skip("no prompt reached EOS within 40 tokens")
+    out = one(llm, SamplingParams(temperature=0, max_tokens=40), prompt).outputs[0]
+    assert out.token_ids == full[:hit[0] + 1] and out.finish_reason == "stop"
+    assert tokenizer.decode(full[hit[0]]) not in out.text
+
+
+def distinct_share(tokens: list[int]) -> float:
+    return len(set(tokens)) / len(tokens)
+
+
+@pytest.mark.parametrize("arch", ["qwen2"])  # the tiny qwen2 model loves to repeat itself
+def test_penalties_push_the_expected_way(arch, tiny_model_factory):
+    llm = LLM(tiny_model_factory(arch), dtype="float32")
+    prompt = "The weather today is sunny and the"
+
+    def tokens(**kw):
+        return one(llm, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **kw), prompt).outputs[0].token_ids
+
+    base = distinct_share(tokens())
+    assert base < 0.5, "the baseline must repeat for this test to mean anything"
+    assert distinct_share(tokens(repetition_penalty=1.8)) > base
+    assert distinct_share(tokens(presence_penalty=2.0)) > base
+    assert distinct_share(tokens(frequency_penalty=2.0)) > base
+    # A negative frequency penalty rewards repeats: fewer distinct tokens than with a positive one.
+    assert distinct_share(tokens(frequency_penalty=-2.0)) <= base
+
+
+def test_logprobs_zero_returns_only_the_sampled_token(llm):
+    comp = one(llm, SamplingParams(temperature=0, max_tokens=4, logprobs=0)).outputs[0]
+    assert [list(d) for d in comp.logprobs] == [[t] for t in comp.token_ids]
+    assert all(d[t].rank == 1 for d, t in zip(comp.logprobs, comp.token_ids))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+    ("min_p", 1.5), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0.0), ("seed", "x"), ("stop", [1]), ("stop_token_ids", [-1]),
+    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1),
+])
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_rejected():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

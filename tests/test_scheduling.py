@@ -1,0 +1,91 @@
+"""Continuous batching, chunked prefill and preemption never change what a request gets."""
+import pytest
+
+from flagserve import LLM, LLMEngine, EngineArgs, SamplingParams
+from flagserve.engine.scheduler import Scheduler
+from tests.conftest import prompt_set
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(llama_path):
+    return prompt_set(LLM(llama_path).get_tokenizer(), 20, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_path, prompts):
+    """Each prompt generated on its own, with nothing else in the batch."""
+    llm = LLM(llama_path, dtype="float32")
+    return [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_batched_equals_alone(llama_path, prompts, reference):
+    assert len({len(p) for p in prompts}) > 10  # genuinely mixed lengths
+    llm = LLM(llama_path, dtype="float32")
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+
+
+def test_tiny_kv_cache_forces_preemption(llama_path, prompts, reference):
+    # 12 blocks of 16 tokens: room for about two sequences of 90 + 32 tokens at once.
+    llm = LLM(llama_path, dtype="float32", num_kv_blocks=12, max_model_len=192)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert token_ids(outs) == reference
+    assert llm.llm_engine.block_manager.num_free_blocks == 12  # nothing leaked
+
+
+def test_small_token_budget_forces_chunked_prefill(llama_path, prompts, reference, monkeypatch):
+    partial_chunks = []
+    schedule = Scheduler.schedule
+
+    def spy(self):
+        batch = schedule(self)
+        partial_chunks.extend(n for s, n in zip(batch.seqs, batch.num_new_tokens)
+                              if 1 < n and s.num_computed_tokens + n < s.num_tokens)
+        assert batch.num_tokens <= self.config.max_num_batched_tokens
+        return batch
+
+    monkeypatch.setattr(Scheduler, "schedule", spy)
+    llm = LLM(llama_path, dtype="float32", max_num_batched_tokens=24)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert partial_chunks, "no prompt was split into chunks"
+
+
+def test_preemption_and_chunking_together(llama_path, prompts, reference):
+    llm = LLM(llama_path, dtype="float32", num_kv_blocks=12, max_model_len=192,
+              max_num_batched_tokens=20, max_num_seqs=6)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+
+
+def test_without_chunked_prefill(llama_path, prompts, reference):
+    llm = LLM(llama_path, dtype="float32", enable_chunked_prefill=False, max_model_len=256,
+              max_num_batched_tokens=256, enable_prefix_caching=False)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+
+
+def test_unchunked_budget_must_hold_a_prompt(llama_path):
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(llama_path, enable_chunked_prefill=False, max_model_len=512, max_num_batched_tokens=64)
+
+
+def test_requests_join_and_leave_every_step(llama_path):
+    engine = LLMEngine(EngineArgs(model=llama_path, dtype="float32"))
+    engine.add_request("a", "The weather today", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        assert [o.request_id for o in engine.step()] == ["a"]
+    engine.add_request("b", "We cook rice", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    steps = [{o.request_id: o.finished for o in engine.step()} for _ in range(4)]
+    assert steps[0] == {"a": False, "b": False}  # b joined the running batch at once
+    assert steps[2] == {"a": True, "b": False}  # a's 6th and last token
+    assert steps[3] == {"b": False}  # a left the batch, b keeps going
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
