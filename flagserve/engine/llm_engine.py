@@ -163,7 +163,6 @@ class LLMEngine:
         for row, seq in enumerate(seqs):
             token = out.token_ids[row]
             seq.token_ids.append(token)
-            seq.cumulative_logprob += out.logprobs[row]
             if seq.params.logprobs is not None:
                 self._record_logprobs(seq, row, out)
             state = self.requests[seq.request_id]
@@ -178,6 +177,7 @@ class LLMEngine:
 
     def _record_logprobs(self, seq: Sequence, row: int, out: SamplerOutput) -> None:
         token = out.token_ids[row]
+        seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + out.logprobs[row]
         entry = {token: Logprob(out.logprobs[row], out.ranks[row], self.tokenizer.decode([token]))}
         if out.top_token_ids is not None:
             for rank, (tid, lp) in enumerate(zip(out.top_token_ids[row][:seq.params.logprobs],

@@ -35,7 +35,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, served by the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # tracked when the request asks for logprobs
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

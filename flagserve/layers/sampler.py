@@ -33,7 +33,7 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # of each sampled token
+    logprobs: list[float] | None  # of each sampled token, when logprobs were asked for
     ranks: list[int] | None  # of each sampled token, when logprobs were asked for
     top_token_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
@@ -102,7 +102,9 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(-1)
+        want_logprobs = batch.max_num_logprobs >= 0
+        # Logprobs are of the raw distribution and cost a full-vocabulary pass: only on request.
+        raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
         if batch.repetition_penalties is not None or batch.presence_penalties is not None:
             logits = apply_penalties(logits, batch)
         if batch.banned_token_ids is not None:
@@ -116,10 +118,11 @@ class Sampler(nn.Module):
             noise = exponential_noise(tuple(probs.shape), batch.generators, probs.device, self.generator)
             sampled = (probs / noise).argmax(-1)
             tokens = torch.where(batch.temperatures == 0, tokens, sampled)
+        if not want_logprobs:
+            return SamplerOutput(tokens.tolist(), None, None, None, None)
         sampled_lp = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        ranks = top_ids = top_lps = None
-        if batch.max_num_logprobs >= 0:
-            ranks = ((raw_logprobs > sampled_lp[:, None]).sum(-1) + 1).tolist()
+        ranks = ((raw_logprobs > sampled_lp[:, None]).sum(-1) + 1).tolist()
+        top_ids = top_lps = None
         if batch.max_num_logprobs > 0:
             top = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)
             top_ids, top_lps = top.indices.tolist(), top.values.tolist()
