@@ -1,8 +1,13 @@
 """Sampling parameters do what vLLM users expect."""
+import json
+import shutil
+
 import pytest
+import torch
 
 from flagserve import LLM, SamplingParams
 from flagserve.engine.outputs import RequestOutput
+from flagserve.layers.sampler import SamplingBatch, apply_penalties
 
 PROMPT = "The weather today is sunny and the"
 
@@ -81,40 +86,52 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert stop_id not in banned.token_ids[:8]
 
 
-def test_eos_stops_unless_ignored(llm):
-    tokenizer = llm.get_tokenizer()
-    eos = sorted(llm.llm_engine.eos_token_ids)
-    for prompt in ("Hello", "a", "We cook", "Old", "The river", "rain rain", "1 2 3"):
-        full = greedy(llm, 40, prompt).token_ids
-        hit = [i for i, t in enumerate(full) if t in eos]
-        if hit:
-            break
-    else:
-        pytest.skip("no prompt reached EOS within 40 tokens")
-    out = one(llm, SamplingParams(temperature=0, max_tokens=40), prompt).outputs[0]
-    assert out.token_ids == full[:hit[0] + 1] and out.finish_reason == "stop"
-    assert tokenizer.decode(full[hit[0]]) not in out.text
+def test_eos_stops_unless_ignored(llama_path, tmp_path):
+    full = greedy(LLM(llama_path, dtype="float32"), 32).token_ids
+    eos = full[5]
+    # The same weights, with a token the greedy path surely produces declared as EOS.
+    model = tmp_path / "model"
+    shutil.copytree(llama_path, model)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((model / name).read_text())
+        cfg["eos_token_id"] = [eos]
+        (model / name).write_text(json.dumps(cfg))
+    llm = LLM(str(model), dtype="float32")
+    out = one(llm, SamplingParams(temperature=0, max_tokens=32)).outputs[0]
+    first = full.index(eos)
+    assert out.token_ids == full[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    assert out.text == llm.get_tokenizer().decode(full[:first])
+    assert one(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)).outputs[0].token_ids == full
 
 
-def distinct_share(tokens: list[int]) -> float:
-    return len(set(tokens)) / len(tokens)
+def repeats(tokens: list[int]) -> int:
+    return len(tokens) - len(set(tokens))
 
 
-@pytest.mark.parametrize("arch", ["qwen2"])  # the tiny qwen2 model loves to repeat itself
-def test_penalties_push_the_expected_way(arch, tiny_model_factory):
-    llm = LLM(tiny_model_factory(arch), dtype="float32")
-    prompt = "The weather today is sunny and the"
-
+def test_penalties_push_the_expected_way(llm):
     def tokens(**kw):
-        return one(llm, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **kw), prompt).outputs[0].token_ids
+        return one(llm, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, **kw)).outputs[0].token_ids
 
-    base = distinct_share(tokens())
-    assert base < 0.5, "the baseline must repeat for this test to mean anything"
-    assert distinct_share(tokens(repetition_penalty=1.8)) > base
-    assert distinct_share(tokens(presence_penalty=2.0)) > base
-    assert distinct_share(tokens(frequency_penalty=2.0)) > base
-    # A negative frequency penalty rewards repeats: fewer distinct tokens than with a positive one.
-    assert distinct_share(tokens(frequency_penalty=-2.0)) <= base
+    base = repeats(tokens())
+    assert base > 0, "the baseline must repeat for this test to mean anything"
+    assert repeats(tokens(repetition_penalty=2.0)) < base
+    assert repeats(tokens(presence_penalty=2.0)) < base
+    assert repeats(tokens(frequency_penalty=2.0)) < base
+    # Negative penalties reward what was already said.
+    assert repeats(tokens(frequency_penalty=-2.0)) > base
+    assert repeats(tokens(repetition_penalty=0.5)) > base
+
+
+def test_penalty_arithmetic():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    batch = SamplingBatch(temperatures=torch.zeros(1), top_ks=None, top_ps=None, min_ps=None,
+                          all_greedy=True, presence_penalties=torch.tensor([0.5]),
+                          frequency_penalties=torch.tensor([0.25]), repetition_penalties=torch.tensor([2.0]),
+                          output_token_ids=[[0, 0, 1]], prompt_token_ids=[[2]])
+    out = apply_penalties(logits, batch)
+    # token 0: 2/2 - 0.25*2 - 0.5; token 1: -2*2 - 0.25 - 0.5; token 2 (prompt only): 1/2; token 3 untouched
+    assert out.tolist() == [[0.0, -4.75, 0.5, 0.5]]
 
 
 def test_logprobs_zero_returns_only_the_sampled_token(llm):
