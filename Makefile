@@ -19,8 +19,13 @@ $(VENV)/.installed: pyproject.toml
 $(TINY_MODEL)/config.json: | venv
 	$(PY) -m flagserve.models.tiny $(TINY_MODEL)
 
-serve: venv $(TINY_MODEL)/config.json
-	$(PY) examples/offline_inference.py --model $(TINY_MODEL)
+# Serves conf/serve.yaml (the built-in tiny model, CPU) in the background; see docs/serving.md.
+serve: venv
+	$(PY) run.py --config-name serve action=run
+	@echo "query it: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\"
+	@echo "            -d '{\"model\": \"tiny-llama\", \"prompt\": \"Hello\", \"max_tokens\": 16}'"
+	@echo "status:   $(PY) run.py --config-name serve action=status"
+	@echo "stop it:  $(PY) run.py --config-name serve action=stop"
 
 test: venv
 	$(PY) -m pytest -q tests

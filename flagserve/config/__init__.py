@@ -1,0 +1,6 @@
+"""Structured experiment config: schema, FlagScale compatibility, validation."""
+from flagserve.config.errors import ConfigError
+from flagserve.config.load import parse_config
+from flagserve.config.schema import Config, LLMModule, UserModule
+
+__all__ = ["Config", "ConfigError", "LLMModule", "UserModule", "parse_config"]

@@ -1,0 +1,118 @@
+"""Accept FlagScale serve YAML: the list form and vLLM-style engine_args, mapped to ours.
+
+    - serve_id: vllm_model            ->  serve:
+      engine: vllm                          vllm_model:
+      engine_args: {model: ..., port: 9010}   engine: flagserve, engine_args: {model: ...}
+                                          experiment.runner.deploy.port: 9010
+
+Every mapping that changes meaning is reported as a note, never applied silently.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from flagserve.config.errors import ConfigError
+
+# vLLM server/engine flags FlagScale configs carry that have no counterpart here: accepted
+# so such a YAML runs, and listed in a note.
+VLLM_IGNORED = frozenset({
+    "trust_remote_code", "enforce_eager", "uvicorn_log_level", "disable_log_requests",
+    "disable_log_stats", "compilation_config", "distributed_executor_backend",
+    "disable_custom_all_reduce", "load_format", "swap_space", "enable_log_requests",
+})
+# vLLM names whose FlagServe meaning lives elsewhere in the experiment.
+SERVER_ARGS = {"host": "host", "port": "port", "api_key": "api_key"}
+RENAMED = {"model_tag": "model", "tokenizer_path": "tokenizer"}
+ENGINE_ALIASES = {"vllm": "flagserve"}  # an engine whose configs FlagServe's engine serves
+
+
+def normalize(raw: dict[str, Any], engine_arg_names: set[str]) -> tuple[dict[str, Any], list[str]]:
+    """Return (config dict in FlagServe's shape, notes for the user). Does not mutate `raw`."""
+    raw = dict(raw)
+    notes: list[str] = []
+    serve = raw.get("serve")
+    if isinstance(serve, list):
+        serve = _list_to_mapping(serve)
+    elif serve is not None and not isinstance(serve, dict):
+        raise ConfigError("serve", f"must be a mapping of module id to module, got {serve!r}",
+                          "see conf/serve/tiny.yaml for the shape")
+    serve = dict(serve or {})
+    deploy_moves: dict[str, Any] = {}
+    for module_id, entry in serve.items():
+        if not isinstance(entry, dict):
+            raise ConfigError(f"serve.{module_id}", f"must be a mapping, got {entry!r}",
+                              "give each module engine_args (an LLM) or module+name (user code)")
+        serve[module_id] = _normalize_module(module_id, dict(entry), engine_arg_names,
+                                             deploy_moves, notes)
+    raw["serve"] = serve
+    if deploy_moves:
+        _move_to_deploy(raw, deploy_moves, notes)
+    return raw, notes
+
+
+def _list_to_mapping(entries: list[Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("serve_id"), str):
+            raise ConfigError(f"serve.{i}", "a list entry needs a `serve_id` string",
+                              "write `- serve_id: my_model` as the first key of each entry")
+        entry = dict(entry)
+        module_id = entry.pop("serve_id")
+        if module_id in out:
+            raise ConfigError(f"serve.{i}.serve_id", f"duplicate serve_id {module_id!r}",
+                              "give every module a distinct serve_id")
+        out[module_id] = entry
+    return out
+
+
+def _normalize_module(module_id: str, entry: dict[str, Any], engine_arg_names: set[str],
+                      deploy_moves: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    if "module" in entry:  # user module: nothing vLLM-specific to map
+        return entry
+    engine = entry.get("engine", "flagserve")
+    if engine in ENGINE_ALIASES:
+        notes.append(f"serve.{module_id}.engine: `{engine}` is served by FlagServe's own engine "
+                     f"(engine: {ENGINE_ALIASES[engine]}); vLLM-only engine_args are ignored")
+        entry["engine"] = ENGINE_ALIASES[engine]
+    args = entry.get("engine_args")
+    if isinstance(args, dict):
+        entry["engine_args"] = _normalize_engine_args(module_id, args, engine_arg_names,
+                                                      entry, deploy_moves, notes)
+    return entry
+
+
+def _normalize_engine_args(module_id: str, args: dict[str, Any], names: set[str],
+                           entry: dict[str, Any], deploy_moves: dict[str, Any],
+                           notes: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ignored = []
+    for key, value in args.items():
+        key = RENAMED.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        if key.startswith("no_") and key[3:] in names and isinstance(value, bool):
+            key, value = key[3:], not value  # vLLM's --no-enable-prefix-caching
+        if key in SERVER_ARGS:
+            deploy_moves[SERVER_ARGS[key]] = (f"serve.{module_id}.engine_args.{key}", value)
+        elif key == "served_model_name":
+            entry.setdefault("model_name", value[0] if isinstance(value, list) else value)
+        elif key in VLLM_IGNORED:
+            ignored.append(key)
+        else:
+            out[key] = value
+    if ignored:
+        notes.append(f"serve.{module_id}.engine_args: ignoring vLLM-only {', '.join(ignored)}")
+    return out
+
+
+def _move_to_deploy(raw: dict[str, Any], moves: dict[str, Any], notes: list[str]) -> None:
+    experiment = dict(raw.get("experiment") or {})
+    runner = dict(experiment.get("runner") or {})
+    deploy = dict(runner.get("deploy") or {})
+    for name, (source, value) in moves.items():
+        if name in deploy and deploy[name] != value:
+            raise ConfigError(source, f"conflicts with experiment.runner.deploy.{name}="
+                              f"{deploy[name]!r}", f"set only experiment.runner.deploy.{name}")
+        deploy[name] = value
+        notes.append(f"{source} -> experiment.runner.deploy.{name}={value!r}")
+    runner["deploy"] = deploy
+    experiment["runner"] = runner
+    raw["experiment"] = experiment

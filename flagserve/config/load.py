@@ -1,0 +1,66 @@
+"""From the composed Hydra config to a validated Config: normalize, type-check, validate."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from flagserve.config.errors import ConfigError
+from flagserve.config.flagscale import normalize
+from flagserve.config.schema import PARALLEL_ARGS, Config, ExperimentConfig, LLMModule, UserModule
+from flagserve.config.typed import build, unknown_key_error
+from flagserve.engine.engine_args import EngineArgs
+
+ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)} | set(PARALLEL_ARGS)
+
+
+def to_plain(cfg: DictConfig | dict) -> dict[str, Any]:
+    """Resolve interpolations (${...}) into a plain dict, reporting a bad one by key."""
+    if isinstance(cfg, dict):
+        return cfg
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        raise ConfigError(str(key), f"cannot be resolved: {getattr(err, 'msg', err)}",
+                          "fix the ${...} interpolation or set the environment variable it reads")
+
+
+def parse_config(cfg: DictConfig | dict) -> tuple[Config, list[str]]:
+    """Type-check the composed config; returns it with notes about FlagScale mappings."""
+    raw, notes = normalize(to_plain(cfg), ENGINE_ARG_NAMES)
+    known = {f.name for f in dataclasses.fields(Config)}
+    for key in raw:
+        if key not in known:
+            raise unknown_key_error("", key, sorted(known))
+    config = Config(
+        experiment=build(ExperimentConfig, raw.get("experiment"), "experiment"),
+        serve={mid: _build_module(mid, entry) for mid, entry in raw.get("serve", {}).items()},
+        **{k: raw[k] for k in ("action", "foreground") if k in raw},
+    )
+    if not isinstance(config.action, str):
+        raise ConfigError("action", f"must be a string, got {config.action!r}", "action=run")
+    if not isinstance(config.foreground, bool):
+        raise ConfigError("foreground", f"must be true/false, got {config.foreground!r}",
+                          "foreground=true")
+    return config, notes
+
+
+def _build_module(module_id: str, entry: dict[str, Any]) -> LLMModule | UserModule:
+    path = f"serve.{module_id}"
+    if "module" in entry or "name" in entry:
+        if "engine_args" in entry or "engine" in entry:
+            raise ConfigError(path, "has both engine_args (an LLM) and module/name (user code)",
+                              "split it into two modules and link them with `depends`")
+        return build(UserModule, entry, path)
+    if "engine_args" not in entry and "tiny_model" not in entry:
+        raise ConfigError(path, "is neither an LLM nor a user module",
+                          f"give it {path}.engine_args.model=/path/to/hf_model, or "
+                          f"{path}.module=file.py + {path}.name=ClassName")
+    module = build(LLMModule, entry, path)
+    for key in module.engine_args:
+        if key not in ENGINE_ARG_NAMES:
+            raise unknown_key_error(f"{path}.engine_args", key, sorted(ENGINE_ARG_NAMES))
+    return module

@@ -1,0 +1,141 @@
+"""The experiment schema: one dataclass per YAML section, defaults as in conf/serve.yaml.
+
+Shape follows FlagScale's serve experiments (experiment.{exp_name, exp_dir, task, runner,
+envs, cmds}, action, serve); field names users touch follow vLLM (engine_args, model_name).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+ACTIONS = ("run", "stop", "status", "test", "plan")
+ENGINES = ("flagserve",)
+API_KEY_ENV = "FLAGSERVE_API_KEY"  # like vLLM's VLLM_API_KEY
+# Fields of engine_args that describe placement rather than one engine process: the engine
+# deployment turns them into shard workers (TP x PP) in a placement group.
+PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size")
+
+
+@dataclass
+class DeployConfig:
+    host: str = "127.0.0.1"  # the HTTP bind address; 0.0.0.0 exposes the endpoint
+    port: int = 8000
+    api_key: str | None = None  # or $FLAGSERVE_API_KEY; every route but /health needs it
+    startup_timeout_s: float = 600.0  # `run` waits this long for /health
+    ingress_replicas: int = 1  # replicas of the HTTP ingress deployment
+    use_fs_serve: bool = False  # accepted from FlagScale configs; FlagServe always uses Ray Serve
+
+
+@dataclass
+class RunnerConfig:
+    hostfile: str | None = None  # FlagScale format: `IP slots=N type=gpu`; null = this host
+    ssh_port: int = 22
+    deploy: DeployConfig = field(default_factory=DeployConfig)
+
+
+@dataclass
+class TaskConfig:
+    type: str = "serve"
+    backend: str | None = None  # FlagScale writes `vllm` here; FlagServe's engine serves it
+
+
+@dataclass
+class CmdsConfig:
+    before_start: str | None = None  # shell line run before start; its exports reach the server
+    after_stop: str | None = None
+
+
+@dataclass
+class ExperimentConfig:
+    exp_name: str = "flagserve"
+    exp_dir: str = "outputs/flagserve"
+    task: TaskConfig = field(default_factory=TaskConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    envs: dict[str, str | int | float | bool] = field(default_factory=dict)
+    cmds: CmdsConfig = field(default_factory=CmdsConfig)
+
+
+@dataclass
+class ResourcesConfig:
+    """Ray Serve deployment options of one module (per replica)."""
+    num_replicas: int = 1
+    min_replicas: int | None = None  # min/max switch on Ray Serve autoscaling
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None  # autoscaling target per replica
+    max_ongoing_requests: int | None = None  # Serve's per-replica admission limit
+    num_cpus: float | None = None  # default: 1 for an engine on CPU, else 0
+    num_gpus: float | None = None  # engines: derived from device and TP x PP
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None
+
+
+@dataclass
+class LLMModule:
+    """A model served by FlagServe's engine: one engine deployment + its tokenizer deployment."""
+    engine: str = "flagserve"
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    model_name: str | None = None  # name clients send as `model`; default: the model dir name
+    tiny_model: str | None = None  # when engine_args.model is null: the built-in tiny model arch
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    tokenizer: ResourcesConfig = field(default_factory=ResourcesConfig)
+    depends: list[str] = field(default_factory=list)  # user modules that preprocess requests
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(self.engine_args.get("tensor_parallel_size", 1))
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return int(self.engine_args.get("pipeline_parallel_size", 1))
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class UserModule:
+    """A user class from a .py file, deployed as its own deployment (e.g. a retriever)."""
+    module: str = ""  # path to the .py file
+    name: str = ""  # class name in it
+    init_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of __init__
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    depends: list[str] = field(default_factory=list)
+
+
+Module = LLMModule | UserModule
+
+
+@dataclass
+class Config:
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    serve: dict[str, Module] = field(default_factory=dict)
+    action: str = "run"
+    foreground: bool = False  # run: stay attached (container platforms) instead of returning
+
+    @property
+    def llms(self) -> dict[str, LLMModule]:
+        return {k: m for k, m in self.serve.items() if isinstance(m, LLMModule)}
+
+    @property
+    def user_modules(self) -> dict[str, UserModule]:
+        return {k: m for k, m in self.serve.items() if isinstance(m, UserModule)}
+
+    @property
+    def deploy(self) -> DeployConfig:
+        return self.experiment.runner.deploy
+
+    @property
+    def api_key(self) -> str | None:
+        """deploy.api_key, else $FLAGSERVE_API_KEY from `envs` or the environment."""
+        envs = self.experiment.envs
+        return (self.deploy.api_key or (str(envs[API_KEY_ENV]) if envs.get(API_KEY_ENV) else None)
+                or os.environ.get(API_KEY_ENV) or None)
+
+    @property
+    def namespace(self) -> str:
+        """The Ray namespace of this experiment: what `stop` tears down."""
+        return f"flagserve-{self.experiment.exp_name}"

@@ -1,0 +1,246 @@
+"""Checks across fields and against the machine, run before anything starts.
+
+Each failure is one ConfigError naming the key and the fix. `stop` and `status` only need the
+experiment section, so a deleted model directory never prevents stopping a deployment.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+from flagserve.config.errors import ConfigError
+from flagserve.config.hostfile import Host
+from flagserve.config.schema import (ACTIONS, ENGINES, PARALLEL_ARGS, Config, LLMModule,
+                                     ResourcesConfig, UserModule)
+from flagserve.engine.engine_args import EngineArgs
+from flagserve.models.config import load_model_config
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def validate_experiment(config: Config) -> None:
+    exp = config.experiment
+    if config.action not in ACTIONS:
+        raise ConfigError("action", f"unknown action {config.action!r}",
+                          f"use one of: {', '.join(ACTIONS)}")
+    if not NAME_RE.match(exp.exp_name):
+        raise ConfigError("experiment.exp_name", f"{exp.exp_name!r} is not a valid name",
+                          "use letters, digits, '.', '_' and '-' only")
+    if not exp.exp_dir:
+        raise ConfigError("experiment.exp_dir", "must not be empty", "experiment.exp_dir=outputs/x")
+    if exp.task.type != "serve":
+        raise ConfigError("experiment.task.type", f"{exp.task.type!r} is not served here",
+                          "set experiment.task.type=serve")
+    if exp.task.backend not in (None, "flagserve", "vllm"):
+        raise ConfigError("experiment.task.backend", f"unknown backend {exp.task.backend!r}",
+                          "remove it or set it to flagserve")
+    deploy = exp.runner.deploy
+    if not 1 <= deploy.port <= 65535:
+        raise ConfigError("experiment.runner.deploy.port", f"{deploy.port} is not a TCP port",
+                          "use a port in 1..65535, e.g. 8000")
+    if not deploy.host:
+        raise ConfigError("experiment.runner.deploy.host", "must not be empty",
+                          "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+    if deploy.startup_timeout_s <= 0:
+        raise ConfigError("experiment.runner.deploy.startup_timeout_s", "must be > 0", "e.g. 600")
+
+
+def validate_graph(config: Config, hosts: list[Host]) -> None:
+    """Everything `run`, `test` and `plan` need: modules, files, dependencies, devices."""
+    if not config.llms:
+        raise ConfigError("serve", "has no LLM module",
+                          "add one, e.g. serve.llm.engine_args.model=/path/to/hf_model")
+    names: dict[str, str] = {}
+    for module_id, module in config.serve.items():
+        if not NAME_RE.match(module_id):
+            raise ConfigError(f"serve.{module_id}", "module ids must be simple names",
+                              "use letters, digits, '.', '_' and '-' only")
+        if isinstance(module, LLMModule):
+            _check_llm(module_id, module)
+            for name in served_names(module_id, module):
+                if names.setdefault(name, module_id) != module_id:
+                    raise ConfigError(f"serve.{module_id}.model_name",
+                                      f"{name!r} is also served by serve.{names[name]}",
+                                      f"set a distinct serve.{module_id}.model_name")
+        else:
+            _check_user_module(module_id, module)
+        _check_resources(f"serve.{module_id}.resources", module.resources)
+    _check_depends(config)
+    _check_devices(config, hosts)
+
+
+def served_names(module_id: str, module: LLMModule) -> list[str]:
+    """`model` values routed to this module: model_name (default: model dir name)."""
+    if module.model_name:
+        return [module.model_name]
+    return [Path(str(module.engine_args.get("model", module_id))).name or module_id]
+
+
+def engine_args_for(module: LLMModule) -> EngineArgs:
+    """The EngineArgs the engine deployment is built with (placement fields set apart)."""
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in module.engine_args.items() if k in known})
+
+
+def _check_llm(module_id: str, module: LLMModule) -> None:
+    path = f"serve.{module_id}"
+    if module.engine not in ENGINES:
+        raise ConfigError(f"{path}.engine", f"engine {module.engine!r} is not available",
+                          f"set {path}.engine=flagserve (FlagServe runs its own engine)")
+    if module.tiny_model is not None and module.tiny_model not in TINY_ARCHS:
+        raise ConfigError(f"{path}.tiny_model", f"unknown tiny model {module.tiny_model!r}",
+                          f"use one of {', '.join(TINY_ARCHS)}, or null")
+    model = module.engine_args.get("model")
+    if not model:
+        raise ConfigError(f"{path}.engine_args.model", "is not set",
+                          f"set {path}.engine_args.model=/path/to/hf_model_dir "
+                          f"(or {path}.tiny_model=llama for the built-in tiny model)")
+    model_dir = Path(str(model))
+    if not model_dir.is_dir():
+        raise ConfigError(f"{path}.engine_args.model", f"directory {str(model_dir)!r} does not exist",
+                          "point it at a local Hugging Face model directory "
+                          "(config.json + *.safetensors + tokenizer); nothing is downloaded")
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"{path}.engine_args.model", f"{str(model_dir)!r} has no config.json",
+                          "point it at a Hugging Face model directory")
+    try:
+        model_cfg = load_model_config(model_dir)
+    except (ValueError, KeyError) as err:
+        raise ConfigError(f"{path}.engine_args.model", f"cannot serve {str(model_dir)!r}: {err}",
+                          "serve a Llama, Mistral, Qwen2 or Qwen3 checkpoint") from None
+    max_len = module.engine_args.get("max_model_len")
+    if isinstance(max_len, int) and max_len > model_cfg.max_position_embeddings:
+        raise ConfigError(f"{path}.engine_args.max_model_len",
+                          f"{max_len} exceeds the model's {model_cfg.max_position_embeddings} positions",
+                          f"set {path}.engine_args.max_model_len <= {model_cfg.max_position_embeddings}")
+    for name in PARALLEL_ARGS:
+        value = module.engine_args.get(name, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{path}.engine_args.{name}", f"must be an integer >= 1, got {value!r}",
+                              f"set {path}.engine_args.{name}=1")
+    try:
+        engine_args_for(module)
+    except (ValueError, TypeError) as err:
+        match = re.match(r"EngineArgs\.(\w+) (.*)", str(err))
+        key, message = (match.group(1), match.group(2)) if match else ("", str(err))
+        raise ConfigError(f"{path}.engine_args{'.' + key if key else ''}", message,
+                          "see `EngineArgs` in flagserve/engine/engine_args.py") from None
+
+
+def _check_user_module(module_id: str, module: UserModule) -> None:
+    path = f"serve.{module_id}"
+    file = Path(module.module)
+    if not module.module or not file.is_file():
+        raise ConfigError(f"{path}.module", f"file {module.module!r} does not exist",
+                          "point it at the .py file that defines your class")
+    try:
+        tree = ast.parse(file.read_text(), filename=str(file))
+    except SyntaxError as err:
+        raise ConfigError(f"{path}.module", f"{file} does not parse: {err}", "fix the file") from None
+    classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    if module.name not in classes:
+        raise ConfigError(f"{path}.name", f"no class {module.name!r} in {file}",
+                          f"use one of: {', '.join(classes) or '(no classes defined)'}")
+
+
+def _check_resources(path: str, res: ResourcesConfig) -> None:
+    if res.num_replicas < 1:
+        raise ConfigError(f"{path}.num_replicas", f"must be >= 1, got {res.num_replicas}", "e.g. 1")
+    lo, hi = res.min_replicas, res.max_replicas
+    if res.autoscaling:
+        if lo is None or hi is None:
+            raise ConfigError(f"{path}.{'max' if hi is None else 'min'}_replicas",
+                              "autoscaling needs both min_replicas and max_replicas",
+                              "set both, or neither for a fixed num_replicas")
+        if lo < 0 or hi < 1 or lo > hi:
+            raise ConfigError(f"{path}.min_replicas", f"need 0 <= min_replicas <= max_replicas "
+                              f"and max_replicas >= 1, got {lo}..{hi}", "e.g. min 1, max 4")
+    for name in ("num_cpus", "num_gpus", "target_ongoing_requests"):
+        value = getattr(res, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"{path}.{name}", f"must be >= 0, got {value}", "e.g. 1")
+    if res.max_ongoing_requests is not None and res.max_ongoing_requests < 1:
+        raise ConfigError(f"{path}.max_ongoing_requests", "must be >= 1", "e.g. 256")
+
+
+def _check_depends(config: Config) -> None:
+    for module_id, module in config.serve.items():
+        for dep in module.depends:
+            if dep not in config.serve:
+                raise ConfigError(f"serve.{module_id}.depends", f"names unknown module {dep!r}",
+                                  f"use one of: {', '.join(sorted(config.serve))}")
+            if dep == module_id:
+                raise ConfigError(f"serve.{module_id}.depends", "a module cannot depend on itself",
+                                  f"remove {module_id!r} from the list")
+            if isinstance(config.serve[dep], LLMModule):
+                raise ConfigError(f"serve.{module_id}.depends",
+                                  f"{dep!r} is an LLM; `depends` lists user modules whose output "
+                                  "feeds this module", f"make serve.{dep}.depends list "
+                                  f"{module_id!r} instead, if {module_id!r} preprocesses its requests")
+    cycle = find_cycle({mid: m.depends for mid, m in config.serve.items()})
+    if cycle:
+        raise ConfigError(f"serve.{cycle[0]}.depends", f"dependency cycle: {' -> '.join(cycle)}",
+                          "remove one of these dependencies")
+
+
+def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in graph.get(node, []):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in graph:
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def uses_gpu(module: LLMModule, hosts: list[Host]) -> bool:
+    device = str(module.engine_args.get("device", "auto"))
+    if device == "auto":
+        return any(h.num_gpus for h in hosts)
+    return device.startswith("cuda")
+
+
+def _check_devices(config: Config, hosts: list[Host]) -> None:
+    capacity = sum(h.num_gpus for h in hosts)
+    largest = max((h.num_gpus for h in hosts), default=0)
+    demand = 0
+    for module_id, module in config.llms.items():
+        path = f"serve.{module_id}"
+        if not uses_gpu(module, hosts):
+            continue
+        if capacity == 0:
+            raise ConfigError(f"{path}.engine_args.device", "asks for a GPU but no host has one",
+                              f"set {path}.engine_args.device=cpu, or list GPU hosts in a hostfile")
+        if module.tensor_parallel_size > largest:
+            raise ConfigError(f"{path}.engine_args.tensor_parallel_size",
+                              f"{module.tensor_parallel_size} ranks must share one host, and the "
+                              f"largest host has {largest} GPUs",
+                              f"use tensor_parallel_size <= {largest} and raise "
+                              "pipeline_parallel_size to span hosts")
+        res = module.resources
+        replicas = res.min_replicas if res.autoscaling and res.min_replicas else res.num_replicas
+        demand += module.world_size * max(replicas, 1)
+        if res.num_gpus is not None and res.num_gpus not in (0, module.world_size):
+            raise ConfigError(f"{path}.resources.num_gpus",
+                              f"{res.num_gpus} does not match tensor x pipeline parallel size "
+                              f"({module.world_size} GPUs per replica)", "remove it: it is derived")
+    if demand > capacity:
+        raise ConfigError("serve", f"the modules ask for {demand} GPUs (TP x PP x replicas) but "
+                          f"the hosts have {capacity}",
+                          "lower tensor/pipeline_parallel_size or num_replicas, or add hosts "
+                          "in experiment.runner.hostfile")

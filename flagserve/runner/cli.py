@@ -1,0 +1,82 @@
+"""run.py's body: validate the composed config, then run one action. Returns the exit code.
+
+Exit codes: 0 done, 1 the action failed, 2 the config is wrong (one message, no traceback).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from flagserve.config import ConfigError, parse_config
+from flagserve.config.hostfile import Host, HostfileError, local_host, parse_hostfile
+from flagserve.config.resolve import fill_tiny_models, resolve_paths
+from flagserve.config.schema import Config
+from flagserve.config.validate import validate_experiment, validate_graph
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+
+def execute(cfg: DictConfig | dict) -> int:
+    try:
+        config, hosts = load(cfg)
+        return dispatch(config, hosts)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return EXIT_FAILED
+
+
+def load(cfg: DictConfig | dict) -> tuple[Config, list[Host]]:
+    config, notes = parse_config(cfg)
+    resolve_paths(config, Path.cwd())
+    validate_experiment(config)
+    hosts = inventory(config)
+    if config.action in ("run", "test", "plan"):
+        notes += fill_tiny_models(config, create=True)
+        validate_graph(config, hosts)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    return config, hosts
+
+
+def inventory(config: Config) -> list[Host]:
+    hostfile = config.experiment.runner.hostfile
+    if hostfile is None:
+        return [local_host({k: str(v) for k, v in config.experiment.envs.items()})]
+    if not Path(hostfile).is_file():
+        raise ConfigError("experiment.runner.hostfile", f"file {hostfile!r} does not exist",
+                          "point it at a hostfile (see hostfiles/) or set it to null")
+    try:
+        return parse_hostfile(hostfile)
+    except HostfileError as err:
+        raise ConfigError("experiment.runner.hostfile", str(err),
+                          "one host per line: `IP slots=N type=gpu`") from None
+
+
+def dispatch(config: Config, hosts: list[Host]) -> int:
+    if config.action == "plan":
+        from flagserve.runner.plan import print_plan
+        print_plan(config, hosts)
+        return EXIT_OK
+    if config.experiment.runner.hostfile and config.action in ("run", "test"):
+        raise ConfigError("experiment.runner.hostfile", "multi-host deployment (SSH runner) is "
+                          "not available in this build yet", "set it to null to serve on this host")
+    for module_id, module in config.llms.items():
+        if config.action in ("run", "test") and module.world_size > 1:
+            raise ConfigError(f"serve.{module_id}.engine_args.tensor_parallel_size",
+                              "tensor/pipeline-parallel shard workers are not available in this "
+                              "build yet", "use tensor_parallel_size=1 and pipeline_parallel_size=1")
+    from flagserve.runner import local
+    if config.action == "run":
+        return local.run(config)
+    if config.action == "stop":
+        return local.stop(config)
+    if config.action == "status":
+        return local.status(config)
+    if config.action == "test":
+        from flagserve.runner.smoke import smoke_test
+        return smoke_test(config)
+    raise AssertionError(config.action)  # validate_experiment lists the actions

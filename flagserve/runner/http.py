@@ -1,0 +1,41 @@
+"""Tiny HTTP helpers for run/status/test (stdlib only: no client library in the launcher)."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def request(url: str, body: dict[str, Any] | None = None, api_key: str | None = None,
+            timeout: float = 10.0) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method="POST" if data else "GET")
+    req.add_header("Content-Type", "application/json")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def healthy(endpoint: str, timeout: float = 5.0) -> bool:
+    try:
+        return request(f"{endpoint}/health", timeout=timeout)[0] == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def wait_healthy(endpoint: str, timeout: float, alive: Any = lambda: True) -> bool:
+    """Poll /health until it answers 200, `alive()` turns false, or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if healthy(endpoint):
+            return True
+        if not alive():
+            return False
+        time.sleep(0.5)
+    return False

@@ -1,0 +1,115 @@
+"""Start processes from argument lists and stop exactly those processes again.
+
+No generated shell scripts and no matching by name: every process is started as the leader
+of a new session, so it and everything it spawns (the Ray head, raylet, workers) share its
+session id; `stop` signals the leader, then whatever is left in that session.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from flagserve.runner.records import ProcessRecord
+
+
+def spawn(name: str, argv: list[str], env: dict[str, str], log: Path | None,
+          cwd: str | None = None) -> tuple[subprocess.Popen, ProcessRecord]:
+    """Start `argv` in a new session; output goes to `log` (None: inherit the terminal)."""
+    out = open(log, "ab") if log is not None else None  # noqa: SIM115 - owned by the child
+    try:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT if out else None, start_new_session=True)
+    finally:
+        if out is not None:
+            out.close()
+    record = ProcessRecord(name, proc.pid, psutil.Process(proc.pid).create_time(), argv,
+                           str(log) if log else None)
+    return proc, record
+
+
+def _process(record: ProcessRecord) -> psutil.Process | None:
+    try:
+        proc = psutil.Process(record.pid)
+        if abs(proc.create_time() - record.create_time) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except psutil.Error:
+        pass
+    return None
+
+
+def is_alive(record: ProcessRecord) -> bool:
+    return _process(record) is not None
+
+
+def session_members(record: ProcessRecord) -> list[psutil.Process]:
+    """Live processes in the session `record` started (sid == its pid), the leader included."""
+    if not record.session:
+        proc = _process(record)
+        return [proc] if proc else []
+    members = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(proc.pid) == record.pid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    leader = _process(record)
+    if leader is None and members and record.session:
+        # The leader is gone and its pid might be reused by a new session leader: only
+        # processes started after the recorded one can belong to it.
+        members = [p for p in members if _safe_create_time(p) >= record.create_time - 1.0]
+    return members
+
+
+def _safe_create_time(proc: psutil.Process) -> float:
+    try:
+        return proc.create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def terminate(record: ProcessRecord, grace_s: float = 30.0) -> list[str]:
+    """SIGTERM the leader (it shuts Serve and Ray down), then SIGTERM/SIGKILL what is left.
+
+    Returns descriptions of processes that survived (empty: all gone)."""
+    leader = _process(record)
+    if leader is not None:
+        _signal(leader, signal.SIGTERM)
+        _wait([leader], grace_s)
+    left = session_members(record)
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if not left:
+            break
+        for proc in left:
+            _signal(proc, sig)
+        _wait(left, wait_s)
+        left = session_members(record)
+    return [f"pid {p.pid} ({_name(p)})" for p in left]
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.Error:
+        pass
+
+
+def _wait(procs: list[psutil.Process], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except (psutil.TimeoutExpired, psutil.Error):
+            pass
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline()[:3]) or proc.name()
+    except psutil.Error:
+        return "?"

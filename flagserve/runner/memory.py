@@ -1,0 +1,101 @@
+"""Memory per device of one engine shard: weights, and the KV cache capacity in tokens.
+
+Counts parameters from the safetensors headers (exact, reads a few KB per file) and mirrors
+the engine's KV budget rule (ModelRunner._blocks_from_memory_budget).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from flagserve.config.errors import ConfigError
+from flagserve.config.schema import LLMModule
+from flagserve.config.validate import engine_args_for
+from flagserve.models.config import ModelConfig, load_model_config
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ASSUMED_GPU_GIB = 80.0
+
+
+@dataclass
+class MemoryEstimate:
+    model: ModelConfig
+    dtype: str
+    num_params: int
+    weights_bytes: int  # per device
+    kv_bytes_per_token: int  # per device
+    kv_budget_bytes: int
+    kv_tokens: int
+    max_model_len: int
+    budget_source: str  # what the budget was derived from
+
+
+def count_params(model_dir: Path, cfg: ModelConfig) -> int:
+    total = 0
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    if total:
+        return total
+    # No weights on disk (a plan made before downloading): estimate from the shapes.
+    h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    attn = h * cfg.head_dim * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return L * (attn + 3 * h * i) + embed
+
+
+def gpu_memory_bytes() -> int | None:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+        return int(out[0]) * 2**20 if out else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
+    args = engine_args_for(module)
+    try:
+        cfg = load_model_config(args.model)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"serve.{module_id}.engine_args.model", str(err),
+                          "serve a supported architecture (see flagserve/models/config.py)") from None
+    dtype = cfg.torch_dtype if args.dtype == "auto" else args.dtype
+    elem = DTYPE_BYTES.get(dtype, 4)
+    tp, pp = module.tensor_parallel_size, module.pipeline_parallel_size
+    params = count_params(Path(args.model), cfg)
+    weights = params * elem // (tp * pp)
+    kv_heads = max(1, cfg.num_key_value_heads // tp)
+    kv_per_token = 2 * math.ceil(cfg.num_hidden_layers / pp) * kv_heads * cfg.head_dim * elem
+    max_model_len = args.max_model_len or cfg.max_position_embeddings
+    if gpu:
+        device = gpu_memory_bytes()
+        source = f"{args.gpu_memory_utilization:.0%} of a " + (
+            f"{device / 2**30:.0f} GiB GPU" if device else f"{ASSUMED_GPU_GIB:.0f} GiB GPU (assumed: no GPU visible here)")
+        device = device or int(ASSUMED_GPU_GIB * 2**30)
+        tokens = args.max_num_batched_tokens or 2048
+        width = cfg.hidden_size * 4 + cfg.intermediate_size * 3 + cfg.num_attention_heads * cfg.head_dim * 3
+        activations = tokens * width * 4 + args.max_num_seqs * cfg.vocab_size * 4 * 3
+        budget = int(device * args.gpu_memory_utilization) - weights - activations
+    else:
+        source = f"cpu_kv_cache_space_gib={args.cpu_kv_cache_space_gib}"
+        budget = int(args.cpu_kv_cache_space_gib * 2**30)
+    if args.num_kv_blocks:
+        source = f"num_kv_blocks={args.num_kv_blocks}"
+        kv_tokens = args.num_kv_blocks * args.block_size
+        budget = kv_tokens * kv_per_token
+    else:
+        useful = args.max_num_seqs * -(-max_model_len // args.block_size) + 1
+        kv_tokens = min(useful, max(budget, 0) // (kv_per_token * args.block_size)) * args.block_size
+    return MemoryEstimate(cfg, dtype, params, weights, kv_per_token, budget, kv_tokens,
+                          max_model_len, source)

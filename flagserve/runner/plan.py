@@ -1,0 +1,63 @@
+"""action=plan: validate, then print where every module goes and its memory per device."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from flagserve.config.hostfile import Host
+from flagserve.config.schema import Config
+from flagserve.config.validate import served_names, uses_gpu
+from flagserve.runner.memory import estimate
+from flagserve.runner.placement import place
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def _replicas(res) -> str:
+    return f"{res.min_replicas}..{res.max_replicas} (autoscaling)" if res.autoscaling else str(res.num_replicas)
+
+
+def print_plan(config: Config, hosts: list[Host]) -> None:
+    exp = config.experiment
+    head = hosts[0]
+    gpus = sum(h.num_gpus for h in hosts)
+    print(f"plan for {exp.exp_name}: {len(hosts)} host(s), {gpus} GPU(s); head {head.address}; "
+          f"exp_dir {exp.exp_dir}")
+    print(f"  {'deployment':<24} {'replicas':<18} placement")
+    url = f"http://{config.deploy.host}:{config.deploy.port}"
+    print(f"  {'ingress':<24} {config.deploy.ingress_replicas!s:<18} {head.address} (CPU), "
+          f"OpenAI API at {url}/v1")
+    print(f"  {'metrics':<24} {'1':<18} {head.address} (CPU)")
+    for mid, m in config.user_modules.items():
+        print(f"  {mid:<24} {_replicas(m.resources):<18} any host (CPU), {m.name} from {m.module}")
+    shards = defaultdict(list)
+    for s in place(config, hosts):
+        shards[s.module_id].append(s)
+    for mid, m in config.llms.items():
+        print(f"  {mid + '-tokenizer':<24} {_replicas(m.tokenizer):<18} any host (CPU)")
+        gpu = uses_gpu(m, hosts)
+        layout = f"TP {m.tensor_parallel_size} x PP {m.pipeline_parallel_size}"
+        print(f"  {mid + '-engine':<24} {_replicas(m.resources):<18} {layout}, "
+              f"model {', '.join(served_names(mid, m))}")
+        for s in shards[mid]:
+            where = f"gpu {','.join(map(str, s.devices))}" if gpu else "cpu"
+            print(f"  {'':<24} {'':<18} replica {s.replica} stage {s.stage}: {s.host} {where}")
+    for mid, m in config.llms.items():
+        est = estimate(mid, m, uses_gpu(m, hosts))
+        print(f"memory per device of {mid} ({est.model.architecture}, {est.dtype}, "
+              f"{_count(est.num_params)} parameters, {'GPU' if uses_gpu(m, hosts) else 'CPU'}):")
+        print(f"  weights   {_gib(est.weights_bytes)}")
+        print(f"  KV cache  {_gib(max(est.kv_budget_bytes, 0))} from {est.budget_source}: "
+              f"{est.kv_tokens:,} tokens at {est.kv_bytes_per_token / 1024:.1f} KiB/token "
+              f"(max_model_len {est.max_model_len:,})")
+        if est.kv_tokens < est.max_model_len:
+            print(f"  WARNING: the KV cache holds fewer tokens than max_model_len; the engine will "
+                  f"refuse to start: lower serve.{mid}.engine_args.max_model_len or give it more memory")

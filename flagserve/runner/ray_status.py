@@ -1,0 +1,41 @@
+"""Deployments and replicas of a running experiment, read from its Ray cluster."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from flagserve.runner.environment import ray_auth_env
+
+
+@dataclass
+class DeploymentStatus:
+    name: str
+    status: str
+    replicas: dict[str, int]  # replica state -> count
+    message: str = ""
+
+
+def serve_status(gcs_address: str, namespace: str, app_name: str,
+                 token_file: Path) -> tuple[str, list[DeploymentStatus]]:
+    """(application status, its deployments). Connects as a short-lived Ray driver."""
+    os.environ.update(ray_auth_env(token_file))
+    import ray
+    from ray import serve
+
+    ray.init(address=gcs_address, namespace=namespace, logging_level=logging.ERROR,
+             log_to_driver=False)
+    try:
+        apps = serve.status().applications
+        app = apps.get(app_name)
+        if app is None:
+            return "NOT_DEPLOYED", []
+        deployments = [
+            DeploymentStatus(name, str(getattr(d.status, "value", d.status)),
+                             {str(getattr(k, "value", k)): v for k, v in d.replica_states.items()},
+                             d.message)
+            for name, d in app.deployments.items()]
+        return str(getattr(app.status, "value", app.status)), deployments
+    finally:
+        ray.shutdown()

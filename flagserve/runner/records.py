@@ -1,0 +1,102 @@
+"""What `run` started, written under exp_dir/run/ so that `stop` and `status` find it.
+
+    exp_dir/config.yaml          the resolved config the server was started with
+    exp_dir/logs/<name>.log      one log per process (Ray's own logs: exp_dir/logs/ray ->)
+    exp_dir/run/processes.json   ProcessRecord per started process (pid, session, start time)
+    exp_dir/run/ray.json         the Ray cluster the server started: GCS address, namespace
+    exp_dir/run/ray_auth_token   the cluster's Ray auth token (mode 0600)
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class ProcessRecord:
+    name: str
+    pid: int
+    create_time: float  # with pid, identifies the process even if the pid is reused
+    argv: list[str]
+    log: str | None
+    host: str = "localhost"
+    session: bool = True  # started as a session leader: its sid (== pid) marks its descendants
+
+
+@dataclass
+class RayRecord:
+    gcs_address: str
+    namespace: str
+    app_name: str
+    session_dir: str | None = None
+    endpoint: str = ""
+
+
+@dataclass
+class ExpPaths:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def run(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def processes(self) -> Path:
+        return self.run / "processes.json"
+
+    @property
+    def ray(self) -> Path:
+        return self.run / "ray.json"
+
+    @property
+    def ray_token(self) -> Path:
+        return self.run / "ray_auth_token"
+
+    def log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+    def make(self) -> None:
+        for d in (self.logs, self.run):
+            d.mkdir(parents=True, exist_ok=True)
+
+
+def _write_json(path: Path, data: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)  # readers never see half a file
+
+
+def save_processes(paths: ExpPaths, records: list[ProcessRecord]) -> None:
+    _write_json(paths.processes, [asdict(r) for r in records])
+
+
+def load_processes(paths: ExpPaths) -> list[ProcessRecord]:
+    if not paths.processes.exists():
+        return []
+    return [ProcessRecord(**r) for r in json.loads(paths.processes.read_text())]
+
+
+def save_ray(paths: ExpPaths, record: RayRecord) -> None:
+    _write_json(paths.ray, asdict(record))
+
+
+def load_ray(paths: ExpPaths) -> RayRecord | None:
+    if not paths.ray.exists():
+        return None
+    return RayRecord(**json.loads(paths.ray.read_text()))
+
+
+def clear(paths: ExpPaths) -> None:
+    for path in (paths.processes, paths.ray):
+        path.unlink(missing_ok=True)

@@ -1,0 +1,5 @@
+import sys
+
+from flagserve.serve.server import main
+
+sys.exit(main())

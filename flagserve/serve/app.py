@@ -1,0 +1,93 @@
+"""The serving graph: config modules -> Ray Serve deployments, wired by `depends`.
+
+    ingress (OpenAI API) -> [user modules of the model, dependencies first]
+                         -> <id>-tokenizer -> <id>-engine (-> shard workers, TP x PP)
+    <id>-engine -> metrics (one replica; /metrics renders every engine replica)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.deployment import Application
+
+from flagserve.config.schema import Config, LLMModule, ResourcesConfig
+from flagserve.config.validate import engine_args_for, served_names, uses_gpu
+from flagserve.config.hostfile import Host
+from flagserve.serve.engine_deployment import EngineDeployment
+from flagserve.serve.ingress import ModelRoute, OpenAIIngress
+from flagserve.serve.metrics_hub import MetricsHub
+from flagserve.serve.tokenizer_deployment import TokenizerDeployment
+from flagserve.serve.user_module import UserModuleDeployment
+
+GRACEFUL_SHUTDOWN_S = 5.0  # `stop` should not wait Serve's default 20 s per replica
+CONSTRUCTOR_RETRIES = 2  # a model that fails to load fails `run` quickly, not after 20 tries
+
+
+def deployment_options(res: ResourcesConfig, num_cpus: float, num_gpus: float = 0,
+                       max_ongoing: int = 1024, target_ongoing: float = 64) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": res.num_cpus if res.num_cpus is not None else num_cpus,
+                              "num_gpus": num_gpus},
+        "max_ongoing_requests": res.max_ongoing_requests or max_ongoing,
+        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
+        "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
+    }
+    if res.autoscaling:
+        options["autoscaling_config"] = {
+            "min_replicas": res.min_replicas, "max_replicas": res.max_replicas,
+            "initial_replicas": max(res.min_replicas or 0, 1),
+            "target_ongoing_requests": res.target_ongoing_requests or target_ongoing}
+    else:
+        options["num_replicas"] = res.num_replicas
+    return options
+
+
+def engine_options(module: LLMModule, hosts: list[Host]) -> dict[str, Any]:
+    max_num_seqs = int(module.engine_args.get("max_num_seqs", 256))
+    gpu = uses_gpu(module, hosts)
+    # TP x PP > 1 (shard workers in a placement group) is wired in by the multi-host runner.
+    return deployment_options(module.resources, num_cpus=0 if gpu else 1,
+                              num_gpus=module.world_size if gpu else 0,
+                              max_ongoing=4 * max_num_seqs, target_ongoing=max_num_seqs)
+
+
+def dependency_order(config: Config, module_id: str) -> list[str]:
+    """User modules that feed `module_id`, each after its own dependencies."""
+    order: list[str] = []
+
+    def visit(mid: str) -> None:
+        for dep in config.serve[mid].depends:
+            if dep not in order:
+                visit(dep)
+                order.append(dep)
+
+    visit(module_id)
+    return order
+
+
+def build_app(config: Config, hosts: list[Host]) -> Application:
+    hub = serve.deployment(MetricsHub).options(
+        name="metrics", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
+    users = {
+        mid: serve.deployment(UserModuleDeployment).options(
+            name=mid, **deployment_options(m.resources, num_cpus=0)
+        ).bind(mid, m.module, m.name, m.init_args)
+        for mid, m in config.user_modules.items()}
+    routes = []
+    for mid, module in config.llms.items():
+        names = served_names(mid, module)
+        tokenizer = serve.deployment(TokenizerDeployment).options(
+            name=f"{mid}-tokenizer", **deployment_options(module.tokenizer, num_cpus=0)
+        ).bind(module.engine_args.get("tokenizer") or module.engine_args["model"])
+        engine_args = engine_args_for(module).to_dict()  # placement fields stay here
+        engine = serve.deployment(EngineDeployment).options(
+            name=f"{mid}-engine", **engine_options(module, hosts)
+        ).bind(mid, names[0], engine_args, hub)
+        routes.append(ModelRoute(mid, names, engine, tokenizer,
+                                 [(d, users[d]) for d in dependency_order(config, mid)]))
+    deploy = config.deploy
+    return serve.deployment(OpenAIIngress).options(
+        name="ingress", num_replicas=deploy.ingress_replicas, max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+    ).bind(routes, config.api_key, hub)

@@ -1,0 +1,119 @@
+"""The engine deployment: one LLMEngine per replica, stepping on its own thread.
+
+Interface to the ingress: `generate` is a streaming method (DeploymentHandle with
+stream=True), one call per request. Each item it yields carries every token produced since
+the previous item, so the per-token inner loop (scheduler, model, sampler) never crosses a
+Ray Serve hop and a busy ingress receives fewer, larger chunks instead of falling behind.
+Non-streaming requests get exactly one item. Cancelling the call (client disconnect)
+aborts the request and frees its KV blocks.
+
+Tensor/pipeline-parallel shard workers (TP x PP Ray actors in this replica's placement
+group, driven with one message per step) plug in below LLMEngine; with TP = PP = 1 the
+engine runs in this process.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from flagserve.engine.engine_args import EngineArgs
+from flagserve.engine.outputs import RequestOutput
+from flagserve.serve.engine_loop import AsyncEngine, merge_deltas
+from flagserve.serve.messages import ChoiceDelta, EngineChunk, EngineRequest, ModelInfo
+from flagserve.serve.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+PUSH_INTERVAL_S = 0.5
+HEARTBEAT_S = 10.0
+
+
+class EngineDeployment:
+    def __init__(self, module_id: str, model_name: str, engine_args: dict[str, Any],
+                 metrics_hub: Any = None):
+        from flagserve.engine.llm_engine import LLMEngine  # heavy: torch, the model
+
+        self.args = EngineArgs(**engine_args)
+        self.engine = LLMEngine(self.args)
+        self.metrics = EngineMetrics()
+        self.async_engine = AsyncEngine(self.engine, on_step=self.metrics.on_step)
+        self.info_ = ModelInfo(module_id, model_name, self.args.model, self.engine.max_model_len,
+                               self.engine.model_config.vocab_size)
+        self.metrics_hub = metrics_hub
+        try:
+            self.replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside Serve (unit tests)
+            self.replica = "0"
+        self._pusher: asyncio.Task | None = None
+
+    async def info(self) -> ModelInfo:
+        self._start_pusher()
+        return self.info_
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        self._start_pusher()
+        finished = False
+        final: RequestOutput | None = None
+        try:
+            async for out in self.async_engine.generate(request.request_id, request.prompt_token_ids,
+                                                        request.params, request.arrival_time):
+                finished = out.finished
+                if request.stream:
+                    yield _chunk(out)
+                else:
+                    final = out if final is None else merge_deltas(final, out)
+            if final is not None:
+                yield _chunk(final)
+        finally:
+            if not finished:
+                self.metrics.count_abort(request.request_id)
+
+    async def check_health(self) -> None:
+        """Ray Serve calls this periodically; raising restarts the replica."""
+        if not self.async_engine.alive:
+            raise RuntimeError(f"engine step loop stopped: {self.async_engine.error!r}")
+
+    async def ping(self) -> bool:
+        return self.async_engine.alive
+
+    async def stats(self) -> dict:
+        return self.metrics.snapshot(self.async_engine.stats)
+
+    def _start_pusher(self) -> None:
+        if self.metrics_hub is not None and self._pusher is None:
+            self._pusher = asyncio.get_running_loop().create_task(self._push_metrics())
+
+    async def _push_metrics(self) -> None:
+        key = (self.info_.model_name, self.replica)
+        last, last_time = None, 0.0
+        while True:
+            snap = self.metrics.snapshot(self.async_engine.stats)
+            # Push on change, and as a heartbeat so the hub knows this replica is alive.
+            if snap != last or time.monotonic() - last_time > HEARTBEAT_S:
+                try:
+                    await self.metrics_hub.push.remote(key, snap)
+                    last, last_time = snap, time.monotonic()
+                except Exception:  # noqa: BLE001 - metrics must never break serving
+                    log.warning("pushing metrics failed", exc_info=True)
+            await asyncio.sleep(PUSH_INTERVAL_S)
+
+    def __del__(self) -> None:
+        engine = getattr(self, "async_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def _chunk(out: RequestOutput) -> EngineChunk:
+    return EngineChunk(
+        [ChoiceDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+         for c in out.outputs],
+        len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
+
+
+def _accumulate(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    from flagserve.serve.engine_loop import _merge_two
+    return _merge_two(a, b)

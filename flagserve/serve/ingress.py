@@ -1,0 +1,245 @@
+"""The OpenAI-compatible HTTP ingress (FastAPI on Ray Serve).
+
+Per request: authorize, validate, route by `model`, run the model's user modules, tokenize
+(tokenizer deployment), then one streaming call to the engine deployment. Responses follow
+vLLM's OpenAI server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+Helpers live in other modules: @serve.ingress copies the methods with the module globals
+of the moment the class is defined, so names defined below the class would be missing.
+No `from __future__ import annotations` either: FastAPI must see the real Request type.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from ray import serve
+
+from flagserve.serve.formatters import ChatFormat, CompletionFormat, sse_response
+from flagserve.serve.messages import EngineChunk, EngineRequest, ModelInfo
+from flagserve.serve.openai_format import Header, OpenAIError, error_message
+from flagserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from flagserve.serve.streams import cancel_on_close, merge, prepend
+
+log = logging.getLogger(__name__)
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+HEALTH_TIMEOUT_S = 10.0
+
+app = FastAPI(title="FlagServe", docs_url="/docs", redoc_url=None)
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+@app.exception_handler(Exception)
+async def _internal_error(_: Request, err: Exception) -> JSONResponse:
+    log.exception("request failed")
+    return JSONResponse(OpenAIError(500, f"internal error: {err!r}").body(), status_code=500)
+
+
+@dataclass
+class ModelRoute:
+    module_id: str
+    names: list[str]  # values of `model` that select this module
+    engine: Any  # DeploymentHandle of the engine deployment
+    tokenizer: Any  # DeploymentHandle of the tokenizer deployment
+    preprocessors: list[tuple[str, Any]]  # user modules, dependencies first
+
+
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, routes: list[ModelRoute], api_key: str | None, metrics_hub: Any):
+        self.routes = routes
+        self.by_name = {name: r for r in routes for name in [*r.names, r.module_id]}
+        self.api_key = api_key
+        self.metrics_hub = metrics_hub
+        self.infos: dict[str, ModelInfo] = {}
+
+    # plumbing
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise OpenAIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`")
+
+    async def _info(self, route: ModelRoute) -> ModelInfo:
+        if route.module_id not in self.infos:
+            self.infos[route.module_id] = await route.engine.info.remote()
+        return self.infos[route.module_id]
+
+    def _route(self, model: str | None) -> ModelRoute:
+        if model is None:
+            return self.routes[0]
+        route = self.by_name.get(model)
+        if route is None:
+            raise OpenAIError(404, f"The model `{model}` does not exist. Served models: "
+                              f"{', '.join(n for r in self.routes for n in r.names)}", "model")
+        return route
+
+    @staticmethod
+    async def _body(request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise OpenAIError(400, f"the request body is not valid JSON: {err}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the request body must be a JSON object")
+        return body
+
+    @staticmethod
+    def _parse(model: type, body: dict[str, Any]) -> Any:
+        try:
+            return model.model_validate(body)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise OpenAIError(400, f"{where}: {first['msg']}", str(first["loc"][0])) from None
+
+    async def _prepare(self, request: Request, model: type) -> tuple[Any, ModelRoute, ModelInfo]:
+        self._authorize(request)
+        body = await self._body(request)
+        parsed = self._parse(model, body)
+        route = self._route(parsed.model)
+        for module_id, handle in route.preprocessors:
+            try:
+                body = await handle.remote(body)
+            except ValueError as err:
+                raise OpenAIError(400, f"{module_id}: {error_message(err)}") from None
+        if route.preprocessors:
+            parsed = self._parse(model, body)
+        return parsed, route, await self._info(route)
+
+    @staticmethod
+    def _check_budget(info: ModelInfo, prompt_len: int, max_tokens: int | None, what: str) -> int:
+        limit = info.max_model_len
+        if max_tokens is not None and max_tokens < 1:
+            raise OpenAIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if prompt_len >= limit or (max_tokens is not None and prompt_len + max_tokens > limit):
+            asked = prompt_len + (max_tokens or 1)
+            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, "
+                              f"you requested {asked} tokens ({prompt_len} in the {what}, "
+                              f"{max_tokens or 1} in the completion). Please reduce the length of "
+                              f"the {what} or completion.", "max_tokens" if max_tokens else what)
+        return max_tokens if max_tokens is not None else limit - prompt_len
+
+    @staticmethod
+    def _sampling(req: Any, max_tokens: int, logprobs: int | None) -> Any:
+        try:
+            return req.sampling_params(max_tokens, logprobs)
+        except ValueError as err:
+            field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
+            raise OpenAIError(400, str(err).removeprefix("SamplingParams."), field) from None
+
+    async def _start(self, route: ModelRoute, requests: list[EngineRequest]
+                     ) -> AsyncIterator[tuple[int, EngineChunk]]:
+        """Start one engine stream per prompt; the first item is fetched before returning so
+        that engine-side validation errors become HTTP 400 instead of a broken stream."""
+        handle = route.engine.options(stream=True)
+        gens = [handle.generate.remote(r) for r in requests]
+        merged = cancel_on_close(merge(gens), gens)
+        try:
+            first = await merged.__anext__()
+        except ValueError as err:
+            await merged.aclose()
+            raise OpenAIError(400, error_message(err)) from None
+        except BaseException:
+            await merged.aclose()
+            raise
+        return prepend(first, merged)
+
+    # routes
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            alive = await asyncio.wait_for(
+                asyncio.gather(*(r.engine.ping.remote() for r in self.routes)), HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure is "unhealthy"
+            alive = [False]
+        return Response(status_code=200 if all(alive) else 503)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        data = []
+        for route in self.routes:
+            info = await self._info(route)
+            for name in route.names:
+                data.append({"id": name, "object": "model", "created": 0, "owned_by": "flagserve",
+                             "root": info.model_path, "parent": None,
+                             "max_model_len": info.max_model_len})
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        self._authorize(request)
+        text = await self.metrics_hub.render.remote()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        req, route, info = await self._prepare(request, CompletionRequest)
+        if req.echo or req.suffix or (req.best_of not in (None, req.n)) or req.logit_bias:
+            name = next(k for k in ("echo", "suffix", "best_of", "logit_bias") if getattr(req, k))
+            raise OpenAIError(400, f"{name} is not supported", name)
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        prompts = req.prompts()
+        for p in prompts:
+            if isinstance(p, list) and any(not 0 <= t < info.vocab_size for t in p):
+                raise OpenAIError(400, f"prompt token ids must be in [0, {info.vocab_size})", "prompt")
+        token_ids = await route.tokenizer.encode_prompts.remote(prompts)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        header = Header(rid, req.model or route.names[0])
+        requests = []
+        for i, ids in enumerate(token_ids):
+            max_tokens = self._check_budget(info, len(ids), req.max_tokens, "prompt")
+            params = self._sampling(req, max_tokens, req.logprobs)
+            requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.stream, time.time()))
+        stream = await self._start(route, requests)
+        fmt = CompletionFormat(header, req.n, req.logprobs)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return sse_response(fmt.stream(stream, include_usage))
+        return JSONResponse(await fmt.full(stream))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        req, route, info = await self._prepare(request, ChatCompletionRequest)
+        if req.tools or req.logit_bias:
+            name = "tools" if req.tools else "logit_bias"
+            raise OpenAIError(400, f"{name} is not supported", name)
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            ids = await route.tokenizer.encode_chat.remote(messages, req.add_generation_prompt,
+                                                           req.chat_template_kwargs)
+        except ValueError as err:
+            raise OpenAIError(400, error_message(err), "messages") from None
+        max_tokens = self._check_budget(info, len(ids), req.requested_max_tokens, "messages")
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling(req, max_tokens, top)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await self._start(route, [EngineRequest(rid, ids, params, req.stream, time.time())])
+        fmt = ChatFormat(Header(rid, req.model or route.names[0]), req.n, top)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return sse_response(fmt.stream(stream, include_usage))
+        return JSONResponse(await fmt.full(stream))

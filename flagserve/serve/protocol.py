@@ -1,0 +1,111 @@
+"""OpenAI request bodies (plus vLLM's extra sampling fields) and their SamplingParams.
+
+Validation errors become HTTP 400 with the OpenAI error shape; unknown fields are ignored,
+as vLLM does, so clients that send newer OpenAI fields keep working.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from flagserve.engine.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # None: the only (or first) served model
+    n: StrictInt = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM extras
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the SamplingParams field when a value is out of range."""
+        optional = {k: v for k, v in dict(temperature=self.temperature, top_p=self.top_p,
+                                          top_k=self.top_k, min_p=self.min_p,
+                                          repetition_penalty=self.repetition_penalty).items()
+                    if v is not None}
+        return SamplingParams(
+            n=self.n, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, **optional)
+
+
+Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
+
+
+class CompletionRequest(_Request):
+    prompt: Prompt
+    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    logprobs: StrictInt | None = None  # top-N alternatives per token (OpenAI allows 0..5)
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be an empty list")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: a string, token ids, or a list of either."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = None  # None: up to the context window
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

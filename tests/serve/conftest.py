@@ -1,0 +1,70 @@
+"""Fixtures for the serving tests: one real deployment (run.py action=run) shared by the
+tests of a module, stopped with action=stop and, should that fail, by its recorded session."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "test-key"
+
+
+def run_py(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Deployment:
+    url: str
+    exp_dir: Path
+    args: list[str]  # run.py arguments selecting this experiment (no action)
+    run_output: str
+
+    def run_py(self, action: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return run_py(*self.args, *extra, f"action={action}", timeout=timeout)
+
+
+def kill_recorded(exp_dir: Path) -> None:
+    """Last resort when action=stop failed: end the recorded sessions (our pids only)."""
+    from flagserve.runner.launcher import terminate
+    from flagserve.runner.records import ExpPaths, load_processes
+    for record in load_processes(ExpPaths(exp_dir)):
+        terminate(record, grace_s=5)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory) -> Deployment:
+    exp_dir = tmp_path_factory.mktemp("exp")
+    port = free_port()
+    args = [
+        "--config-name", "serve",
+        f"experiment.exp_name=test-{uuid.uuid4().hex[:8]}", f"experiment.exp_dir={exp_dir}",
+        f"experiment.runner.deploy.port={port}", f"experiment.runner.deploy.api_key={API_KEY}",
+        # CLI overrides under test: renamed model, smaller context and batch.
+        "serve.llm.model_name=tiny-test", "serve.llm.engine_args.max_model_len=512",
+        "serve.llm.engine_args.max_num_seqs=16",
+        # A user module composed from the command line, preprocessing the LLM's requests.
+        "+serve.retriever.module=examples/custom_graph/retriever.py",
+        "+serve.retriever.name=Retriever", "serve.llm.depends=[retriever]",
+    ]
+    try:
+        result = run_py(*args, "action=run", timeout=600)
+        assert result.returncode == 0, f"run failed:\n{result.stdout}\n{result.stderr}"
+        yield Deployment(f"http://127.0.0.1:{port}", exp_dir, args, result.stdout)
+    finally:
+        stop = run_py(*args, "action=stop", timeout=120)
+        if stop.returncode != 0:
+            kill_recorded(exp_dir)

@@ -1,0 +1,141 @@
+"""Config validation: every bad config gives one message naming the key and exit code 2,
+without a traceback and without starting anything."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from flagserve.runner.cli import EXIT_CONFIG, execute
+from tests.serve.conftest import REPO, run_py
+
+
+def composed(*overrides: str, config_dir: Path = REPO / "conf"):
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose("serve", overrides=list(overrides))
+
+
+def run(capsys, *overrides: str, config_dir: Path = REPO / "conf") -> tuple[int, str, str]:
+    code = execute(composed("action=plan", *overrides, config_dir=config_dir))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def graph(tmp_path):
+    """Write user-module files so depends tests have real modules."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.py").write_text("class M:\n    def __call__(self, body):\n        return body\n")
+    return tmp_path
+
+
+def user(mid: str, path: Path, depends: str) -> list[str]:
+    return [f"+serve.{mid}.module={path / (mid + '.py')}", f"+serve.{mid}.name=M",
+            f"+serve.{mid}.depends={depends}"]
+
+
+def test_default_config_plans(capsys):
+    code, out, err = run(capsys)
+    assert code == 0, err
+    assert "llm-engine" in out and "KV cache" in out and "tokens" in out
+
+
+@pytest.mark.parametrize("overrides,key,words", [
+    (["+serve.llm.engine_args.max_num_seq=8"], "serve.llm.engine_args.max_num_seq",
+     "did you mean `max_num_seqs`"),
+    (["+experiment.runner.deploy.prot=1"], "experiment.runner.deploy.prot", "did you mean `port`"),
+    (["serve.llm.engine_args.max_num_seqs=many"], "serve.llm.engine_args.max_num_seqs", "integer"),
+    (["serve.llm.engine_args.max_num_seqs=0"], "serve.llm.engine_args.max_num_seqs", ">= 1"),
+    (["experiment.runner.deploy.port=http"], "experiment.runner.deploy.port", "integer"),
+    (["serve.llm.engine_args.model=/no/such/model"], "serve.llm.engine_args.model", "does not exist"),
+    (["serve.llm.engine_args.max_model_len=4096"], "serve.llm.engine_args.max_model_len", "2048"),
+    (["serve.llm.engine=sglang"], "serve.llm.engine", "serve.llm.engine=flagserve"),
+    (["action=deploy"], "action", "run, stop, status, test, plan"),
+    (["serve.llm.engine_args.device=cuda"], "serve.llm.engine_args.device", "no host has one"),
+    (["serve.llm.resources.min_replicas=3"], "serve.llm.resources.max_replicas", "both"),
+])
+def test_bad_config(capsys, overrides, key, words):
+    code, out, err = run(capsys, *overrides)
+    assert code == EXIT_CONFIG
+    assert f"`{key}`" in err and words in err and "fix:" in err
+    assert "Traceback" not in err and not out
+
+
+def test_depends_cycle_and_dangling(capsys, graph):
+    code, _, err = run(capsys, *user("a", graph, "[b]"), *user("b", graph, "[a]"))
+    assert code == EXIT_CONFIG and "dependency cycle" in err and "a -> b -> a" in err
+    code, _, err = run(capsys, *user("a", graph, "[ghost]"))
+    assert code == EXIT_CONFIG and "`serve.a.depends`" in err and "unknown module 'ghost'" in err
+    code, _, err = run(capsys, *user("a", graph, "[llm]"))
+    assert code == EXIT_CONFIG and "is an LLM" in err
+
+
+def test_more_gpus_than_hosts(capsys, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1 slots=1 type=gpu\n")
+    code, _, err = run(capsys, f"experiment.runner.hostfile={hostfile}",
+                       "serve.llm.engine_args.device=auto", "serve.llm.resources.num_replicas=2")
+    assert code == EXIT_CONFIG and "ask for 2 GPUs" in err and "have 1" in err
+    code, _, err = run(capsys, f"experiment.runner.hostfile={hostfile}",
+                       "serve.llm.engine_args.device=auto",
+                       "+serve.llm.engine_args.tensor_parallel_size=2")
+    assert code == EXIT_CONFIG and "tensor_parallel_size" in err and "largest host has 1" in err
+
+
+def test_bad_hostfile(capsys, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("10.0.0.1 slots=8\n10.0.0.1 slots=8\n")
+    code, _, err = run(capsys, f"experiment.runner.hostfile={hostfile}")
+    assert code == EXIT_CONFIG and "duplicate host 10.0.0.1" in err and ":2:" in err
+
+
+def fake_model(path: Path, **cfg) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 8192,
+        "intermediate_size": 29568, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+        "rope_theta": 1000000.0, **cfg}))
+    return path
+
+
+def test_flagscale_list_form_and_plan_across_hosts(capsys, tmp_path, monkeypatch):
+    """A FlagScale-style serve list (engine: vllm, vLLM flags) plans a TP 8 x PP 2 deployment
+    over two hosts, with memory estimated from config.json alone."""
+    monkeypatch.setenv("QWEN72_PATH", str(fake_model(tmp_path / "qwen72b")))
+    code, out, err = run(capsys, "serve=72b_two_nodes", f"experiment.runner.hostfile={REPO}/hostfiles/two_nodes.txt",
+                         config_dir=REPO / "examples/qwen2_5/conf")
+    assert code == 0, err
+    assert "replica 0 stage 0: 10.0.0.1 gpu 0,1,2,3,4,5,6,7" in out
+    assert "replica 0 stage 1: 10.0.0.2 gpu 0,1,2,3,4,5,6,7" in out
+    assert "weights" in out and "KV cache" in out and "assumed" in out
+
+    monkeypatch.setenv("QWEN_PATH", str(fake_model(tmp_path / "qwen7b", num_hidden_layers=28)))
+    code, out, err = run(capsys, f"experiment.runner.hostfile={REPO}/hostfiles/single_gpu.txt",
+                         config_dir=REPO / "examples/qwen2_5/conf")
+    assert code == 0, err
+    assert "`vllm` is served by FlagServe's own engine" in err
+    assert "ignoring vLLM-only trust_remote_code" in err
+    assert "Qwen2.5-7B-Instruct" in out
+
+
+def test_flagscale_port_moves_to_deploy():
+    from flagserve.config import parse_config
+    config, notes = parse_config({"serve": [{"serve_id": "m", "engine": "vllm", "engine_args": {
+        "model": "/x", "port": 9010, "no_enable_prefix_caching": True, "max-num-seqs": 8}}]})
+    assert config.deploy.port == 9010
+    assert config.serve["m"].engine_args == {"model": "/x", "enable_prefix_caching": False,
+                                             "max_num_seqs": 8}
+    assert any("deploy.port" in n for n in notes)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["serve.llm.engine_args.max_num_seq=8"], "Could not override"),  # Hydra's own check
+    (["serve.llm.engine_args.max_num_seqs=0"], "`serve.llm.engine_args.max_num_seqs`"),
+])
+def test_cli_exit_code_2_without_traceback(args, words):
+    result = run_py(*args, "action=plan", timeout=120)
+    assert result.returncode == 2
+    assert words in result.stderr and "Traceback" not in result.stderr

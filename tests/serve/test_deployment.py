@@ -1,0 +1,249 @@
+"""One real deployment (run.py action=run in the background), exercised over real HTTP with
+the official openai client, then status and stop. Tests run in file order; the last stops it."""
+from __future__ import annotations
+
+import re
+import time
+
+import openai
+import pytest
+import requests
+
+from tests.serve.conftest import API_KEY
+
+MODEL = "tiny-test"
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    return openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def post(deployment, route: str, body, key: str | None = API_KEY, raw: bool = False):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw:
+        return requests.post(f"{deployment.url}{route}", data=body, headers={
+            **headers, "Content-Type": "application/json"}, timeout=60)
+    return requests.post(f"{deployment.url}{route}", json=body, headers=headers, timeout=60)
+
+
+def metrics(deployment) -> dict[str, float]:
+    text = requests.get(f"{deployment.url}/metrics", timeout=10,
+                        headers={"Authorization": f"Bearer {API_KEY}"}).text
+    out: dict[str, float] = {}
+    for name, labels, value in re.findall(r"^(vllm:\w+)(\{[^}]*\})? (\S+)$", text, re.M):
+        key = name + ('{' + m.group(1) + '}' if (m := re.search(r'finished_reason="(\w+)"', labels or "")) else "")
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def test_run_prints_endpoint_and_curl(deployment):
+    assert f"{deployment.url}/v1" in deployment.run_output
+    assert "curl " in deployment.run_output and "/v1/chat/completions" in deployment.run_output
+    for name in ("config.yaml", "logs/server.log", "run/processes.json", "run/ray.json"):
+        assert (deployment.exp_dir / name).exists(), name
+
+
+def test_cli_overrides_take_effect(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == 512
+
+
+def test_completion(client):
+    out = client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=5,
+                                    temperature=0)
+    choice = out.choices[0]
+    assert isinstance(choice.text, str) and choice.finish_reason in ("stop", "length")
+    assert 1 <= out.usage.completion_tokens <= 5
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_chat(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=6, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert isinstance(out.choices[0].message.content, str)
+    assert 1 <= out.usage.completion_tokens <= 6
+
+
+def test_streams_match_non_streaming(client):
+    kwargs = dict(model=MODEL, prompt="The weather today", max_tokens=12, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].usage.completion_tokens >= 1 and not chunks[-1].choices
+
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat_full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                               temperature=0).choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                            temperature=0, stream=True)
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == chat_full
+
+
+def test_n2_and_seed(client):
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2,
+                                    temperature=1.0, seed=7)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2,
+                                      temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=4, n=2)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                    logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+def test_vllm_extra_fields_and_stop(client):
+    out = client.completions.create(model=MODEL, prompt="a b c", max_tokens=6, temperature=0,
+                                    extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
+                                                "ignore_eos": True, "min_tokens": 6})
+    assert out.usage.completion_tokens == 6
+    text = out.choices[0].text
+    if len(text.strip()) > 2:
+        stop = text.strip()[:2]
+        cut = client.completions.create(model=MODEL, prompt="a b c", max_tokens=6, temperature=0,
+                                        stop=[stop], extra_body={"top_k": 5, "min_p": 0.1,
+                                                                 "repetition_penalty": 1.1})
+        assert stop not in cut.choices[0].text
+
+
+def test_many_concurrent_streams_share_the_batch(deployment):
+    import asyncio
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{deployment.url}/v1", api_key=API_KEY)
+
+        async def one(i):
+            stream = await client.completions.create(model=MODEL, prompt=f"Request {i}",
+                                                     max_tokens=16, stream=True, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+        return await asyncio.gather(*(one(i) for i in range(12)))
+
+    assert len(asyncio.run(main())) == 12
+
+
+@pytest.mark.parametrize("name,body,status", [
+    ("malformed json", b'{"model": "tiny-test", "prompt": ', 400),
+    ("not an object", b'[1, 2]', 400),
+    ("wrong type", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400),
+    ("max_tokens < 1", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
+    ("negative temperature", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400),
+    ("prompt too long", {"model": MODEL, "prompt": "hello " * 600, "max_tokens": 4}, 400),
+    ("prompt + max_tokens too long", {"model": MODEL, "prompt": "hello", "max_tokens": 600}, 400),
+    ("token id out of vocab", {"model": MODEL, "prompt": [1, 99999999]}, 400),
+    ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404),
+    ("no api key", {"model": MODEL, "prompt": "hi"}, 401),
+])
+def test_bad_requests(deployment, name, body, status):
+    route = "/v1/completions"
+    raw = isinstance(body, bytes)
+    r = post(deployment, route, body, key=None if name == "no api key" else API_KEY, raw=raw)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["message"] and error["type"]
+
+
+def test_bad_chat_requests_and_server_keeps_serving(deployment, client):
+    r = post(deployment, "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert r.status_code == 400
+    r = post(deployment, "/v1/chat/completions",
+             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert client.completions.create(model=MODEL, prompt="still alive", max_tokens=2).choices
+
+
+def test_health_is_open_and_metrics_need_the_key(deployment):
+    assert requests.get(f"{deployment.url}/health", timeout=10).status_code == 200
+    assert requests.get(f"{deployment.url}/metrics", timeout=10).status_code == 401
+    assert requests.get(f"{deployment.url}/v1/models", timeout=10).status_code == 401
+
+
+def test_metrics_use_vllm_names(deployment):
+    deadline = time.time() + 10
+    while True:
+        m = metrics(deployment)
+        if m.get("vllm:generation_tokens_total", 0) > 0 or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+        assert name in m, name
+    assert m["vllm:generation_tokens_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] > 0
+
+
+def test_client_disconnect_aborts_and_frees_kv(deployment):
+    before = metrics(deployment).get("vllm:request_success_total{abort}", 0)
+    r = requests.post(f"{deployment.url}/v1/completions", stream=True, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": MODEL, "prompt": "Go on forever", "max_tokens": 400,
+                            "ignore_eos": True, "stream": True})
+    lines = r.iter_lines()
+    assert next(lines).startswith(b"data: ")
+    r.close()  # the client goes away mid-stream
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        m = metrics(deployment)
+        if (m.get("vllm:request_success_total{abort}", 0) > before
+                and m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"request not aborted: {m}")
+
+
+def test_user_module_preprocesses_requests(deployment):
+    def prompt_tokens(text):
+        r = post(deployment, "/v1/chat/completions",
+                 {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+    # The retriever adds a system message with a fact only when a keyword matches.
+    assert prompt_tokens("what is flagserve?") >= prompt_tokens("what is flagship?") + 10
+
+
+def test_status_reports_deployments(deployment):
+    result = deployment.run_py("status")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "healthy" in out and "RUNNING" in out
+    for name in ("ingress", "llm-engine", "llm-tokenizer", "retriever", "metrics"):
+        assert re.search(rf"{name}\s+HEALTHY\s+replicas: 1 running", out), out
+
+
+def test_stop_leaves_no_process(deployment):
+    from flagserve.runner.launcher import session_members
+    from flagserve.runner.records import ExpPaths, load_processes
+    records = load_processes(ExpPaths(deployment.exp_dir))
+    assert records and session_members(records[0])  # the server and its Ray processes
+    result = deployment.run_py("stop")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no process left" in result.stdout
+    assert all(not session_members(r) for r in records)
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{deployment.url}/health", timeout=5)
+    again = deployment.run_py("stop")
+    assert again.returncode == 0 and "nothing to stop" in again.stdout
+    status = deployment.run_py("status")
+    assert status.returncode == 1 and "not running" in status.stdout

@@ -1,0 +1,103 @@
+"""Small pieces without Ray: hostfile parsing, the async engine bridge, metrics rendering."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from flagserve.config.hostfile import HostfileError, parse_hostfile
+from flagserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from flagserve.engine.stats import EngineStats
+from flagserve.serve.engine_loop import AsyncEngine
+from flagserve.serve.metrics import EngineMetrics, render
+
+
+def test_hostfile(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("# head\n10.0.0.1 slots=8 type=gpu\n\n10.0.0.2 slots=4 ssh_port=2222 user=u # x\n"
+                    "10.0.0.3 slots=16 type=cpu\n")
+    hosts = parse_hostfile(path)
+    assert [(h.address, h.num_gpus, h.ssh_port, h.user) for h in hosts] == [
+        ("10.0.0.1", 8, None, None), ("10.0.0.2", 4, 2222, "u"), ("10.0.0.3", 0, None, None)]
+    for bad in ("10.0.0.1", "10.0.0.1 slots=x", "10.0.0.1 slots=2 gpus=2"):
+        path.write_text(bad + "\n")
+        with pytest.raises(HostfileError, match=":1:"):
+            parse_hostfile(path)
+
+
+class FakeEngine:
+    """Emits one token per step per request, like LLMEngine with DELTA outputs."""
+
+    def __init__(self, steps: int = 5):
+        self.requests: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.steps = steps
+
+    def add_request(self, rid, prompt, params, arrival_time=None):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.requests[rid] = 0
+
+    def abort(self, rid):
+        if self.requests.pop(rid, None) is not None:
+            self.aborted.append(rid)
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def step(self):
+        time.sleep(0.001)
+        outs = []
+        for rid in list(self.requests):
+            self.requests[rid] += 1
+            done = self.requests[rid] >= (10_000 if rid == "cut" else self.steps)
+            outs.append(RequestOutput(rid, None, [1], [CompletionOutput(
+                0, "x", [7], None, None, "length" if done else None)], done, RequestMetrics(0.0)))
+            if done:
+                del self.requests[rid]
+        return outs
+
+    def get_stats(self):
+        return EngineStats(len(self.requests), 0, 0.0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
+
+
+def test_async_engine_streams_errors_and_aborts():
+    from flagserve.engine.sampling_params import SamplingParams
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+
+    async def main():
+        texts = await asyncio.gather(*(collect(f"r{i}") for i in range(4)))
+        assert texts == ["xxxxx"] * 4
+        with pytest.raises(ValueError, match="empty"):
+            await collect("bad", prompt=[])
+        gen = engine.generate("cut", [1], SamplingParams())
+        await gen.__anext__()
+        await gen.aclose()  # the consumer goes away
+        for _ in range(50):
+            if "cut" in fake.aborted:
+                break
+            await asyncio.sleep(0.02)
+        assert fake.aborted == ["cut"]
+
+    async def collect(rid, prompt=(1,)):
+        return "".join([o.outputs[0].text async for o in engine.generate(rid, list(prompt), SamplingParams())])
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_metrics_render_vllm_names():
+    m = EngineMetrics()
+    out = RequestOutput("a", None, [1, 2], [CompletionOutput(0, "x", [3], None, None, "stop")],
+                        True, RequestMetrics(arrival_time=1.0, first_token_time=1.5))
+    m.on_step([out], 2.0)
+    stats = EngineStats(0, 0, 0.25, 10, 4, 2, 1, 0, 1, 0.1, 0.1)
+    text = render({("tiny", "0"): m.snapshot(stats)}).decode()
+    assert 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25' in text
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 4.0' in text
+    assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 1.0' in text
+    assert 'vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.5' in text
