@@ -2,9 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-TINY_MODEL ?= models/tiny-llama
 
-.PHONY: venv serve test bench clean-venv
+.PHONY: venv serve stop offline test bench clean-venv
 
 venv: $(VENV)/.installed
 
@@ -16,9 +15,6 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-$(TINY_MODEL)/config.json: | venv
-	$(PY) -m flagserve.models.tiny $(TINY_MODEL)
-
 # Serves conf/serve.yaml (the built-in tiny model, CPU) in the background; see docs/serving.md.
 serve: venv
 	$(PY) run.py --config-name serve action=run
@@ -26,6 +22,13 @@ serve: venv
 	@echo "            -d '{\"model\": \"tiny-llama\", \"prompt\": \"Hello\", \"max_tokens\": 16}'"
 	@echo "status:   $(PY) run.py --config-name serve action=status"
 	@echo "stop it:  $(PY) run.py --config-name serve action=stop"
+
+stop: venv
+	$(PY) run.py --config-name serve action=stop
+
+# The engine alone, offline (vLLM's LLM API), on the same tiny model.
+offline: venv
+	$(PY) examples/offline_inference.py
 
 test: venv
 	$(PY) -m pytest -q tests

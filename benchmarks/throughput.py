@@ -13,11 +13,17 @@ the share of engine step time spent outside the model forward.
 import argparse
 import json
 import random
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+# Run as a script, this folder comes first on sys.path and its kernels.py (the kernel
+# benchmark) would shadow the `kernels` package: put the repository root first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @dataclass

@@ -1,6 +1,4 @@
 """Prefix caching shares blocks, counts its hits, and never changes outputs."""
-import pytest
-
 from flagserve import LLM, SamplingParams
 from flagserve.engine import block_manager as bm_module
 from flagserve.engine.block_manager import BlockManager

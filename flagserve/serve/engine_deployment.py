@@ -112,8 +112,3 @@ def _chunk(out: RequestOutput) -> EngineChunk:
         [ChoiceDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
          for c in out.outputs],
         len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
-
-
-def _accumulate(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    from flagserve.serve.engine_loop import _merge_two
-    return _merge_two(a, b)
