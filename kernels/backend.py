@@ -1,4 +1,16 @@
-"""Chooses the implementation of every op for one engine: Triton or the torch reference."""
+"""Chooses the implementation of every op for one engine: Triton or the torch reference.
+
+Backends: "torch" (the reference, any device), "triton" (our kernels: native on CUDA, through
+triton's numpy interpreter on CPU, which needs TRITON_INTERPRET=1 in the environment before
+triton is imported) and "auto" (Triton on CUDA when triton imports, torch elsewhere).
+
+The environment variable FLAGSERVE_KERNEL_BACKEND=torch|triton|auto overrides "auto" (an
+explicit "torch" or "triton" in the config wins), e.g. to run a CPU engine on the Triton
+kernels: `TRITON_INTERPRET=1 FLAGSERVE_KERNEL_BACKEND=triton ...`.
+
+Triton is imported lazily: a torch-only install can import `kernels` and use the reference.
+"""
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -12,6 +24,8 @@ from kernels.rms_norm import fused_add_rms_norm_torch, rms_norm_torch
 from kernels.rotary import rotary_embedding_torch
 
 BACKENDS = ("auto", "torch", "triton")
+BACKEND_ENV = "FLAGSERVE_KERNEL_BACKEND"
+INTERPRET_ENV = "TRITON_INTERPRET"
 
 
 @dataclass(frozen=True)
@@ -38,16 +52,52 @@ TORCH_OPS = KernelOps(
 )
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The concrete backend ("torch" or "triton") for a requested one on `device`."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
+    device = torch.device(device)
     if backend == "auto":
-        return "torch"  # until the Triton kernels land, the reference runs everywhere
+        backend = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
+        if backend not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend == "triton":
-        raise ValueError("attention_backend='triton' is not available yet; use 'torch' or 'auto'")
+        if not triton_available():
+            raise ValueError("the 'triton' kernel backend needs the triton package; "
+                             "install it or use the 'torch' backend")
+        if device.type != "cuda" and not interpreter_enabled():
+            raise ValueError(f"the 'triton' kernel backend on device {device.type!r} runs the "
+                             f"Triton interpreter: set {INTERPRET_ENV}=1 in the environment "
+                             "before triton is imported (i.e. before starting Python)")
     return backend
 
 
-def get_ops(backend: str, device: torch.device) -> KernelOps:
-    resolve_backend(backend, device)
-    return TORCH_OPS
+def get_ops(backend: str, device: torch.device | str) -> KernelOps:
+    if resolve_backend(backend, device) == "torch":
+        return TORCH_OPS
+    from kernels.triton_ops import TRITON_OPS, check_interpreted
+    if torch.device(device).type != "cuda":
+        check_interpreted()
+    return TRITON_OPS
+
+
+def __getattr__(name: str):
+    # `from kernels.backend import TRITON_OPS` works, but only that import pulls in triton.
+    if name == "TRITON_OPS":
+        from kernels.triton_ops import TRITON_OPS
+        return TRITON_OPS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,34 +9,39 @@ to every position up to its own, so prefix-cache hits and chunked prefill are th
 import torch
 import torch.nn.functional as F
 
+from kernels.decode_attention import gather_kv
+
 
 def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                   seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    tables = block_tables.tolist()
-    for b, kv_len in enumerate(lens):
+    for b, kv_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_start
         if q_len == 0:
             continue
         num_blocks = (kv_len + block_size - 1) // block_size
-        blocks = torch.tensor(tables[b][:num_blocks], device=q.device, dtype=torch.long)
-        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=q.device)).flatten()
-        slots = slots[:kv_len]
-        k = k_flat[slots].transpose(0, 1)  # [Hkv, kv_len, D]
-        v = v_flat[slots].transpose(0, 1)
-        qb = q[q_start:q_end].transpose(0, 1)  # [Hq, q_len, D]
+        # 4-D [1, heads, tokens, head_dim]: CPU SDPA takes its flash kernel only for 4-D inputs.
+        k = gather_kv(k_cache, block_tables[b:b + 1], num_blocks)[:, :kv_len].transpose(1, 2)
+        v = gather_kv(v_cache, block_tables[b:b + 1], num_blocks)[:, :kv_len].transpose(1, 2)
+        qb = q[q_start:q_end].transpose(0, 1).unsqueeze(0)
         if q_len == kv_len:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
             mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[q_start:q_end] = o.transpose(0, 1)
+        out[q_start:q_end] = o[0].transpose(0, 1)
     return out
+
+
+def __getattr__(name: str):
+    # The Triton version (triton_prefill_attention.py) is imported on first use only: importing the
+    # reference must not import triton, which fixes interpreter mode at kernel definition.
+    if name in ("paged_prefill_attention_triton",):
+        from kernels import triton_prefill_attention
+        return getattr(triton_prefill_attention, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,19 +6,31 @@ sin in the second; scaled frequencies (Llama-3, linear) are already folded into 
 import torch
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    # Per element the same products and sums as HF's x * cos + rotate_half(x) * sin.
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)
-    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    x1.copy_(o1)
+    x2.copy_(o2)
 
 
 def rotary_embedding_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            cos_sin_cache: torch.Tensor) -> None:
     """q: [num_tokens, num_q_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
     half = cos_sin_cache.shape[-1] // 2
-    cs = cos_sin_cache[positions.long()]
+    cs = cos_sin_cache.index_select(0, positions.long())
     cos, sin = cs[:, None, :half], cs[:, None, half:]
-    q.copy_(_rotate(q, cos, sin))
-    k.copy_(_rotate(k, cos, sin))
+    _rotate_(q, cos, sin)
+    _rotate_(k, cos, sin)
+
+
+def __getattr__(name: str):
+    # The Triton version (triton_rotary.py) is imported on first use only: importing the
+    # reference must not import triton, which fixes interpreter mode at kernel definition.
+    if name in ("rotary_embedding_triton",):
+        from kernels import triton_rotary
+        return getattr(triton_rotary, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,14 @@
 """Shared fixtures: tiny random-weight HF models (no downloads) and HF reference runs."""
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA the Triton kernels run in triton's interpreter, which must be switched on
+# before any kernel module is imported (triton decides when a kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flagserve.models.tiny import make_tiny_model
 

@@ -1,0 +1,152 @@
+"""Triton prefill / extend attention over the paged cache (causal, varlen, GQA, online softmax).
+
+Grid (query tile, kv_head). A tile packs TILE_TOKENS consecutive new tokens of one sequence
+times all GROUP query heads of one KV head into the BLOCK_M rows of the matmul (row r is
+token r // GROUP, head r % GROUP), so K/V tiles are shared by the whole GQA group and short
+chunks (even single decode tokens in a mixed batch) still fill the rows. Tiles are numbered
+across the batch with a device-side prefix sum; each program finds its sequence by counting
+prefix entries <= its id, so there is no device->host sync and no per-batch recompilation.
+
+The KV loop runs in two phases: positions every row of the tile may see (no causal mask),
+then the diagonal band up to the tile's last position, with the causal mask.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_utils import LOG2E, dot_precision, last_dim_contiguous, next_pow2
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks, stride_vb,
+            stride_vs, d, lo, hi, qk_scale,
+            CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax accumulation over cached positions [lo, hi)."""
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        k_rows = block * stride_kb + (n % BLOCK_SIZE) * stride_ks
+        v_rows = block * stride_vb + (n % BLOCK_SIZE) * stride_vs
+        # Masking d only when head_dim is padded keeps the K/V loads vectorised.
+        if HEAD_DIM != BLOCK_D:
+            kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
+        else:
+            kv_mask = tl.broadcast_to(n_mask[:, None], (BLOCK_N, BLOCK_D))
+        k = tl.load(k_base + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if CAUSAL:
+            s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["batch"])  # the batch size changes every step
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
+                    seq_lens_ptr, cu_tiles_ptr, out_ptr, qk_scale, batch,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_TOKENS: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # Sequence of this tile = number of sequences whose tiles all end at or before pid.
+    seq = 0
+    for b0 in range(0, batch, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        ends = tl.load(cu_tiles_ptr + 1 + b, mask=b < batch, other=2147483647)
+        seq += tl.sum((ends <= pid).to(tl.int32), axis=0)
+    if seq >= batch:
+        return  # the grid is an upper bound on the tile count
+    # Last tile first: causal tiles get longer towards the end, and starting the longest ones
+    # early shortens the tail of the launch.
+    tile = tl.load(cu_tiles_ptr + seq + 1) - 1 - pid
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # cached tokens before the first new one
+
+    r = tl.arange(0, BLOCK_M)
+    tok = tile * TILE_TOKENS + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    row_mask = (r < TILE_TOKENS * GROUP) & (tok < q_len)
+    # Spare rows pretend to be the last token so that no row is fully masked (no NaN).
+    q_pos = tl.where(row_mask, context + tok, seq_len - 1)
+    d = tl.arange(0, BLOCK_D)
+    qo_mask = row_mask[:, None] & (d < HEAD_DIM)[None, :]
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=qo_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    first_pos = context + tile * TILE_TOKENS
+    last_pos = tl.minimum(first_pos + TILE_TOKENS, seq_len) - 1
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # every row of the tile sees [0, full_end)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks,
+                            stride_vb, stride_vs, d, 0, full_end, qk_scale,
+                            False, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks,
+                            stride_vb, stride_vs, d, full_end, last_pos + 1, qk_scale,
+                            True, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=qo_mask)
+
+
+def _tile_config(group: int, block_d: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(TILE_TOKENS, BLOCK_M, BLOCK_N, num_warps, num_stages). Sized so that sm_90 compiles
+    without register spills (checked by tests/kernels/sm90_compile.py)."""
+    if dtype == torch.float32:  # IEEE FMA dots need far more registers than tensor cores
+        rows, block_n, num_warps = 32, 16, 8
+    elif block_d <= 128:
+        rows, block_n, num_warps = 128, 64, 8
+    else:
+        rows, block_n, num_warps = 64, 32, 8
+    tile_tokens = max(1, rows // group)
+    return tile_tokens, max(16, next_pow2(tile_tokens * group)), block_n, num_warps, 2
+
+
+def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                   seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as paged_prefill_attention_torch."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    batch = seq_lens.shape[0]
+    assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or batch == 0:
+        return out
+    q = last_dim_contiguous(q)
+    group = num_q_heads // num_kv_heads
+    block_d = next_pow2(head_dim)
+    tile_tokens, block_m, block_n, num_warps, num_stages = _tile_config(group, block_d, q.dtype)
+    # Prefix sum of tiles per sequence, on the device (no sync).
+    q_lens = (cu_seqlens_q[1:batch + 1] - cu_seqlens_q[:batch]).to(torch.int32)
+    cu_tiles = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum((q_lens + tile_tokens - 1) // tile_tokens, dim=0, out=cu_tiles[1:])
+    max_tiles = triton.cdiv(num_tokens, tile_tokens) + batch  # bounds sum(ceil(q_len / tile))
+    _prefill_kernel[(max_tiles, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, cu_tiles, out,
+        scale * LOG2E, batch,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, TILE_TOKENS=tile_tokens, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_B=64,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+    return out

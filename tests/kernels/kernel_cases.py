@@ -1,0 +1,55 @@
+"""Shared cases and builders for the kernel tests (triton-free: safe to import anywhere)."""
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# (atol, rtol) per dtype for attention outputs compared with the torch reference on the same
+# inputs: fp32 is limited by summation order; 16-bit by output rounding (1-2 ulp) and by P
+# being rounded to 16 bits before P @ V. Measured on CPU: fp32 <= 1.1e-6, fp16 <= 2e-3.
+ATTN_TOL = {torch.float32: (5e-5, 5e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="triton's CPU interpreter computes bf16 wrongly without an error: GPU only")),
+]
+
+
+def make_paged_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, garbage: float | None = None,
+                     seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches and a block table with shuffled physical blocks.
+
+    Every sequence's blocks are scattered (never contiguous or in order); table entries past a
+    sequence's last block are 0, the padding value. Block 0 belongs to nobody. With `garbage`,
+    every cache row that no sequence owns (block 0, spare blocks, the tail of each last block)
+    holds that value, so a kernel that reads past seq_len produces it (NaN: poison).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    needed = sum(-(-n // block_size) for n in seq_lens)
+    num_blocks = needed + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(seq_lens), max_blocks + 2, dtype=torch.int32)
+    owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for b, n in enumerate(seq_lens):
+        for i in range(-(-n // block_size)):
+            blk = physical.pop()
+            table[b, i] = blk
+            valid = min(block_size, n - i * block_size)
+            owned[blk * block_size: blk * block_size + valid] = True
+    if garbage is not None:
+        for cache in (k_cache, v_cache):
+            cache.view(-1, num_kv_heads, head_dim)[~owned] = garbage
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), table.to(DEVICE)
+
+
+def clean(cache: torch.Tensor) -> torch.Tensor:
+    """The reference multiplies masked V rows by zero weights, so it needs finite garbage."""
+    return torch.nan_to_num(cache, nan=0.0)

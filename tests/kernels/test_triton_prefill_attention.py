@@ -1,0 +1,77 @@
+"""Paged prefill / extend attention against the torch reference."""
+import pytest
+import torch
+
+from kernel_cases import ATTN_TOL, DEVICE, DTYPES, clean, make_paged_cache
+from kernels.prefill_attention import (paged_prefill_attention_torch,
+                                       paged_prefill_attention_triton)
+
+NUM_KV_HEADS = 2
+# (cached tokens, new tokens) per sequence: new prefills, chunked prefills / prefix-cache hits
+# on and off block boundaries, decodes and single-token prefills inside the same batch, and
+# chunks longer than one query tile.
+MIXED_BATCH = [(0, 37), (45, 20), (99, 1), (0, 1), (32, 33), (16, 16), (3, 150), (200, 2)]
+
+
+def run_case(batch, group, block_size, head_dim, dtype, garbage=None, seed=0):
+    seq_lens = [cached + new for cached, new in batch]
+    k_cache, v_cache, table = make_paged_cache(seq_lens, block_size, NUM_KV_HEADS, head_dim,
+                                               dtype, garbage=garbage, seed=seed)
+    q_lens = torch.tensor([new for _, new in batch])
+    cu_seqlens_q = torch.zeros(len(batch) + 1, dtype=torch.int32)
+    cu_seqlens_q[1:] = q_lens.cumsum(0)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(int(q_lens.sum()), NUM_KV_HEADS * group, head_dim, generator=gen)
+    q = q.to(DEVICE, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    cu_seqlens_q = cu_seqlens_q.to(DEVICE)
+    scale = head_dim ** -0.5
+    out = paged_prefill_attention_triton(q, k_cache, v_cache, table, cu_seqlens_q, lens, scale)
+    ref = paged_prefill_attention_torch(q, clean(k_cache), clean(v_cache), table, cu_seqlens_q,
+                                        lens, scale)
+    atol, rtol = ATTN_TOL[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_mixed_batch(group, block_size, dtype):
+    run_case(MIXED_BATCH, group, block_size, 64, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 80, 96, 128, 256])
+def test_head_dims(head_dim, dtype):
+    run_case([(0, 20), (30, 9), (40, 1)], 4, 16, head_dim, dtype)
+
+
+def test_odd_group_and_block_size():
+    # 7 query heads per KV head (Qwen2.5-7B): tiles of 18 tokens x 7 heads, block size 24.
+    run_case([(0, 40), (25, 19), (50, 1)], 7, 24, 64, torch.float32)
+
+
+def test_never_reads_past_seq_len():
+    # Unowned cache rows and padding block 0 are NaN: any read past seq_len poisons the output.
+    run_case([(0, 17), (15, 2), (16, 16), (40, 1)], 4, 16, 64, torch.float32,
+             garbage=float("nan"))
+
+
+def test_many_sequences():
+    # More sequences than one chunk (64) of the kernel's tile -> sequence search.
+    batch = [(i % 20, 1 + i % 3) for i in range(70)]
+    run_case(batch, 4, 16, 32, torch.float32)
+
+
+def test_strided_query_and_empty_sequence():
+    # q sliced from a fused qkv projection; a sequence with no new tokens in the batch.
+    batch = [(0, 5), (10, 0), (7, 3)]
+    seq_lens = [c + n for c, n in batch]
+    k_cache, v_cache, table = make_paged_cache(seq_lens, 16, 2, 64, torch.float32)
+    qkv = torch.randn(8, (4 + 2 + 2) * 64, device=DEVICE)
+    q = qkv[:, :4 * 64].view(8, 4, 64)
+    cu = torch.tensor([0, 5, 5, 8], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = paged_prefill_attention_triton(q, k_cache, v_cache, table, cu, lens, 0.125)
+    ref = paged_prefill_attention_torch(q, k_cache, v_cache, table, cu, lens, 0.125)
+    torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
