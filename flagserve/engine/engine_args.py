@@ -1,5 +1,11 @@
 """Engine configuration: what a user passes to LLM(...) or a serve config's engine_args."""
+from __future__ import annotations
+
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flagserve.models.config import ModelConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BACKENDS = ("auto", "torch", "triton")
@@ -22,6 +28,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    # Shards: TP x PP worker processes (Ray actors) instead of the model in this process.
+    tensor_parallel_size: int = 1  # splits heads, MLP columns and vocabulary within a stage
+    pipeline_parallel_size: int = 1  # splits the layers into consecutive stages
+    placement_hosts: list[str] | None = None  # per stage: the host (Ray resource "host:<ip>")
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -45,6 +55,33 @@ class EngineArgs:
               f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         check(self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space_gib",
               f"must be > 0, got {self.cpu_kv_cache_space_gib!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                  f"must be an integer >= 1, got {value!r}")
+        hosts = self.placement_hosts
+        check(hosts is None or (isinstance(hosts, (list, tuple)) and all(isinstance(h, str) and h for h in hosts)
+                                and len(hosts) == self.pipeline_parallel_size), "placement_hosts",
+              f"must be None or one host address per pipeline stage "
+              f"({self.pipeline_parallel_size}), got {hosts!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_parallelism(self, cfg: ModelConfig) -> None:
+        """TP must split the heads and MLP evenly, PP needs a layer per stage. (The vocabulary
+        need not divide: the last vocabulary shard is zero-padded.)"""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        for what, size in (("num_attention_heads", cfg.num_attention_heads),
+                           ("num_key_value_heads", cfg.num_key_value_heads),
+                           ("intermediate_size", cfg.intermediate_size)):
+            if size % tp:
+                raise ValueError(f"EngineArgs.tensor_parallel_size must divide the model's "
+                                 f"{what}={size}, got {tp}")
+        if cfg.num_hidden_layers < pp:
+            raise ValueError(f"EngineArgs.pipeline_parallel_size must be at most the model's "
+                             f"{cfg.num_hidden_layers} layers (a stage needs one), got {pp}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -5,18 +5,18 @@ The offline `LLM` loops over step(); the server drives the same loop from an asy
 import time
 from dataclasses import dataclass
 
-import torch
 from transformers import AutoTokenizer
 
 from flagserve.engine.block_manager import BlockManager
 from flagserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from flagserve.engine.engine_args import EngineArgs
-from flagserve.engine.model_runner import ModelRunner
+from flagserve.engine.executor import make_executor
 from flagserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from flagserve.engine.scheduler import Scheduler, SchedulerConfig
 from flagserve.engine.sequence import Sequence
 from flagserve.engine.stats import EngineStats
+from flagserve.engine.step_input import StepInputBuilder
 from flagserve.layers.sampler import SamplerOutput
 from flagserve.models.config import load_model_config
 
@@ -63,8 +63,10 @@ class LLMEngine:
         eos = cfg.eos_token_ids or ((self.tokenizer.eos_token_id,)
                                     if self.tokenizer.eos_token_id is not None else ())
         self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(args, cfg, self.max_model_len, tuple(eos))
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, args.block_size,
+        # In this process with TP = PP = 1, else TP x PP shard workers under Ray.
+        self.executor = make_executor(args, cfg, self.max_model_len, tuple(eos))
+        self.step_inputs = StepInputBuilder()
+        self.block_manager = BlockManager(self.executor.num_kv_blocks, args.block_size,
                                           args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, batched, self.max_model_len, args.enable_chunked_prefill),
@@ -102,14 +104,10 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
                              f"at most {self.max_model_len - 1} prompt tokens leave room to generate")
         arrival = time.time() if arrival_time is None else arrival_time
-        device = self.runner.device
         seqs, detoks = [], []
         for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=device)
-                gen.manual_seed(child_seed(params.seed, i))
-            seqs.append(Sequence(request_id, i, list(ids), len(ids), params, arrival, gen))
+            seed = None if params.seed is None else child_seed(params.seed, i)
+            seqs.append(Sequence(request_id, i, list(ids), len(ids), params, arrival, seed))
             detoks.append(IncrementalDetokenizer.for_prompt(self.tokenizer, len(ids),
                                                             params.skip_special_tokens))
         self.requests[request_id] = RequestState(request_id, text, ids, params, seqs, detoks,
@@ -124,7 +122,11 @@ class LLMEngine:
         for seq in state.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.step_inputs.release(seq)  # the sampling shard drops its state with the next step
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -145,9 +147,11 @@ class LLMEngine:
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
                 self._prompt_tokens += len(state.prompt_token_ids)
-        sampled, output = self.runner.execute(batch)
+        step = self.step_inputs.build(batch)
+        output = self.executor.execute(step)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        sampled = [batch.seqs[i] for i in step.sample_indices]
         touched = self._process_samples(sampled, output) if output is not None else []
         outputs = [o for o in (self._make_output(self.requests[r]) for r in touched) if o is not None]
         for out in outputs:
@@ -171,7 +175,7 @@ class LLMEngine:
             self._generation_tokens += 1
             self._check_stop(seq, state.detokenizers[seq.index], token)
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
+                self._finish(seq)
             touched[seq.request_id] = None
         return list(touched)
 
@@ -250,5 +254,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps,
             step_seconds=self._step_seconds,
-            forward_seconds=self.runner.forward_seconds,
+            forward_seconds=self.executor.forward_seconds,
         )
+
+    def shutdown(self) -> None:
+        """Stop the shard workers (TP x PP > 1); the engine is unusable afterwards."""
+        self.executor.shutdown()

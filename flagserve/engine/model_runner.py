@@ -1,13 +1,20 @@
-"""Runs one scheduled batch: flatten it, run the model over the paged cache, sample."""
+"""Runs one step on one model shard: flatten the StepInput, forward over the paged cache, sample.
+
+The in-process engine (TP = PP = 1) and every shard worker run this same class; a shard only
+differs by its ParallelContext: later pipeline stages receive activations instead of token
+ids, earlier ones send them on, and only the last stage's TP rank 0 samples.
+"""
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from flagserve.distributed.parallel_state import ParallelContext
+from flagserve.distributed.pipeline import recv_activations, send_activations
 from flagserve.engine.engine_args import EngineArgs
-from flagserve.engine.scheduler import ScheduledBatch
-from flagserve.engine.sequence import Sequence
+from flagserve.engine.sampling_params import SamplingParams
+from flagserve.engine.step_input import StepInput
 from flagserve.layers.attention_metadata import AttentionMetadata
 from flagserve.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from flagserve.models.config import ModelConfig
@@ -35,34 +42,43 @@ class PreparedBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
-    sampling_seqs: list[Sequence]  # the sequences those rows belong to
+
+
+@dataclass
+class SeqSampling:
+    """What the sampling shard keeps of a sequence between steps."""
+    params: SamplingParams
+    prompt_token_ids: list[int]  # empty unless penalties need them
+    generator: torch.Generator | None  # seeded requests: survives preemption, dies with the seq
 
 
 class ModelRunner:
     def __init__(self, args: EngineArgs, cfg: ModelConfig, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], tp_rank: int = 0, tp_size: int = 1):
+                 eos_token_ids: tuple[int, ...], par: ParallelContext = ParallelContext()):
         self.args = args
         self.cfg = cfg
+        self.par = par
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, cfg)
         self.ops = get_ops(args.attention_backend, self.device)
-        self.model = load_model(args.model, cfg, self.ops, self.dtype, self.device, tp_rank, tp_size)
+        self.model = load_model(args.model, cfg, self.ops, self.dtype, self.device, par)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory_budget()
-        self._allocate_kv_cache()
-        self.sampler = Sampler(args.seed, self.device)
+        self.num_kv_blocks = 0  # set by allocate_kv_cache once every shard's capacity is known
+        self.sampler = Sampler(args.seed, self.device) if par.samples else None
+        self.seqs: dict[int, SeqSampling] = {}  # seq_id -> state, on the sampling shard only
         self.forward_seconds = 0.0  # model forward and LM head, for overhead accounting
 
-    # KV cache
+    # KV cache: this shard's layers and KV heads only
 
     def block_bytes(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.cfg.num_hidden_layers * self.block_size * self.num_kv_heads * self.cfg.head_dim * elem
+        return 2 * len(self.model.layers) * self.block_size * self.num_kv_heads * self.cfg.head_dim * elem
 
-    def _blocks_from_memory_budget(self) -> int:
+    def kv_capacity_blocks(self) -> int:
+        """Blocks this shard can hold; the engine takes the minimum over shards."""
         # Never more than every sequence slot filled to max_model_len could use.
         useful = self.args.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
         if self.device.type == "cuda":
@@ -72,13 +88,7 @@ class ModelRunner:
             budget = int(total * self.args.gpu_memory_utilization) - used - activations
         else:
             budget = int(self.args.cpu_kv_cache_space_gib * 2**30)
-        blocks = min(useful, budget // self.block_bytes())
-        if blocks * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache budget holds {max(blocks, 0) * self.block_size} tokens, fewer than "
-                f"max_model_len={self.max_model_len}: lower max_model_len, or raise "
-                f"{'gpu_memory_utilization' if self.device.type == 'cuda' else 'cpu_kv_cache_space_gib'}")
-        return blocks
+        return max(min(useful, budget // self.block_bytes()), 0)
 
     def _activation_bytes_estimate(self) -> int:
         cfg = self.cfg
@@ -87,45 +97,37 @@ class ModelRunner:
         logits = self.args.max_num_seqs * cfg.vocab_size * 4 * 3
         return tokens * width * 4 + logits
 
-    def _allocate_kv_cache(self) -> None:
+    def allocate_kv_cache(self, num_blocks: int) -> None:
         # Zero-filled: masked attention lanes multiply cache contents by 0, and 0 * NaN = NaN.
-        shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.cfg.head_dim)
+        self.num_kv_blocks = num_blocks
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.cfg.head_dim)
         for attn in self.model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # One step
 
-    def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
+    def prepare(self, step: StepInput) -> PreparedBatch:
         bs = self.block_size
-        input_ids: list[int] = []
         pos_parts: list[np.ndarray] = []
         slot_parts: list[np.ndarray] = []
         seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sampling_seqs: list[Sequence] = []
         cu_seqlens_q = [0]
+        ends = np.cumsum(step.num_new_tokens)
         num_decodes = 0
-        offset = 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
+        for start, n, table in zip(step.start_positions, step.num_new_tokens, step.block_tables):
             if n == 1:
                 num_decodes += 1
                 pos_parts.append(np.array([start]))
-                slot_parts.append(np.array([seq.block_table[start // bs] * bs + start % bs]))
+                slot_parts.append(np.array([table[start // bs] * bs + start % bs]))
             else:
-                pos = np.arange(start, end)
+                pos = np.arange(start, start + n)
                 pos_parts.append(pos)
-                slot_parts.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
+                slot_parts.append(np.asarray(table)[pos // bs] * bs + pos % bs)
                 cu_seqlens_q.append(cu_seqlens_q[-1] + n)
-            seq_lens.append(end)
-            offset += n
-            if end == seq.num_tokens:  # the chunk reaches the end: sample the next token
-                logits_indices.append(offset - 1)
-                sampling_seqs.append(seq)
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
+            seq_lens.append(start + n)
+        max_blocks = max(map(len, step.block_tables))
+        tables = [t + [0] * (max_blocks - len(t)) for t in step.block_tables]
         dev = self.device
         meta = AttentionMetadata(
             num_decodes=num_decodes,
@@ -136,14 +138,24 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=dev),
         )
         return PreparedBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            input_ids=torch.tensor(step.token_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            sampling_seqs=sampling_seqs,
+            logits_indices=torch.from_numpy(ends[step.sample_indices] - 1).to(dev),
         )
 
-    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+    def track_sequences(self, step: StepInput) -> None:
+        for seq_id in step.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in step.new_seqs:
+            gen = None
+            if new.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(new.seed)
+            self.seqs[new.seq_id] = SeqSampling(new.params, new.prompt_token_ids or [], gen)
+
+    def sampling_batch(self, step: StepInput) -> SamplingBatch:
+        seqs = [self.seqs[step.seq_ids[i]] for i in step.sample_indices]
         params = [s.params for s in seqs]
         dev = self.device
         vocab = self.cfg.vocab_size
@@ -160,31 +172,45 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
-        if any(p.has_penalties for p in params):
+        if step.output_token_ids is not None:
             batch.repetition_penalties = column([p.repetition_penalty for p in params])
             batch.presence_penalties = column([p.presence_penalty for p in params])
             batch.frequency_penalties = column([p.frequency_penalty for p in params])
-            batch.output_token_ids = [s.output_token_ids for s in seqs]
-            batch.prompt_token_ids = [s.token_ids[:s.num_prompt_tokens] for s in seqs]
-        if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
+            batch.output_token_ids = step.output_token_ids
+            batch.prompt_token_ids = [s.prompt_token_ids for s in seqs]
+        if any(n < p.min_tokens for n, p in zip(step.num_output_tokens, params)):
             batch.banned_token_ids = [
-                (s.params.stop_token_ids + ([] if s.params.ignore_eos else list(self.eos_token_ids)))
-                if s.num_output_tokens < s.params.min_tokens else [] for s in seqs]
+                (p.stop_token_ids + ([] if p.ignore_eos else list(self.eos_token_ids)))
+                if n < p.min_tokens else [] for n, p in zip(step.num_output_tokens, params)]
         generators = {i: s.generator for i, s in enumerate(seqs) if s.generator is not None}
         batch.generators = generators or None
         return batch
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
-        prepared = self.prepare(batch)
+    def execute(self, step: StepInput) -> SamplerOutput | None:
+        """The sampled tokens on the sampling shard (None when nothing samples), else None."""
+        par = self.par
+        if par.samples:
+            self.track_sequences(step)
+        prepared = self.prepare(step)
         start = time.perf_counter()
-        hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta)
-        if not prepared.sampling_seqs:
+        hidden = residual = None
+        if not par.is_first_stage:
+            hidden, residual = recv_activations(step.num_tokens, self.cfg.hidden_size, self.dtype,
+                                                self.device, par.prev_rank)
+        hidden, residual = self.model(prepared.input_ids, prepared.positions, prepared.meta,
+                                      hidden, residual)
+        if not par.is_last_stage:
+            send_activations(hidden, residual, par.next_rank)
             self.forward_seconds += time.perf_counter() - start
-            return [], None
-        logits = self.model.compute_logits(hidden[prepared.logits_indices])
+            return None
+        if not step.sample_indices:
+            self.forward_seconds += time.perf_counter() - start
+            return None
+        logits = self.model.compute_logits(hidden[prepared.logits_indices])  # every TP rank
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward
         self.forward_seconds += time.perf_counter() - start
-        output = self.sampler(logits, self.sampling_batch(prepared.sampling_seqs))
-        return prepared.sampling_seqs, output
+        if not par.samples:
+            return None
+        return self.sampler(logits, self.sampling_batch(step))

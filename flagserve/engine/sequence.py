@@ -3,8 +3,6 @@ import enum
 from dataclasses import dataclass, field
 from itertools import count
 
-import torch
-
 from flagserve.engine.outputs import SampleLogprobs
 from flagserve.engine.sampling_params import SamplingParams
 
@@ -28,7 +26,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival_time: float
-    generator: torch.Generator | None = None  # set when the request has a seed
+    seed: int | None = None  # seeded requests: the sampling runner keeps a generator from it
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache

@@ -6,9 +6,10 @@ from torch import nn
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: dist.ProcessGroup | None = None):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.vocab_size = vocab_size
         self.shard_size = (vocab_size + tp_size - 1) // tp_size
         self.start = tp_rank * self.shard_size
@@ -25,7 +26,7 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.start
         mine = (local >= 0) & (local < self.shard_size)
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mine.unsqueeze(-1)
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=self.tp_group)
         return y
 
 
@@ -35,6 +36,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(hidden, self.weight).float()
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.all_gather(parts, logits)
+            dist.all_gather(parts, logits, group=self.tp_group)
             logits = torch.cat(parts, dim=-1)
         return logits[:, :self.vocab_size]

@@ -79,9 +79,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, tp_group: dist.ProcessGroup | None = None):
         assert input_size % tp_size == 0, f"input size {input_size} not divisible by TP {tp_size}"
         super().__init__(input_size // tp_size, output_size, bias, tp_rank, tp_size)
+        self.tp_group = tp_group  # the ranks of this pipeline stage (None: the default group)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias is added once, after the reduction
@@ -93,5 +94,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=self.tp_group)
         return y if self.bias is None else y + self.bias

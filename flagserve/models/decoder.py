@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from flagserve.distributed.parallel_state import ParallelContext
 from flagserve.layers.attention import PagedAttention
 from flagserve.layers.attention_metadata import AttentionMetadata
 from flagserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -19,15 +20,21 @@ from flagserve.models.config import ModelConfig
 from kernels import KernelOps
 
 
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The contiguous range of decoder layers pipeline stage `pp_rank` runs (HF layer indices)."""
+    return range(pp_rank * num_layers // pp_size, (pp_rank + 1) * num_layers // pp_size)
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, par: ParallelContext):
         super().__init__()
         d = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, cfg.attention_bias, tp_rank, tp_size)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.attention_bias, par.tp_rank, par.tp_size)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = d
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, False, tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, False,
+                                        par.tp_rank, par.tp_size, par.tp_group)
         self.rotary = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope, ops)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ops)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
@@ -37,35 +44,35 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        # Views into qkv, no copies: rotary works in place and every op takes strided inputs.
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.contiguous(), k.contiguous()
         self.rotary(positions, q, k)
-        out = self.attn(q, k, v.contiguous(), meta)
+        out = self.attn(q, k, v, meta)
         return self.o_proj(out.flatten(1))
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, par: ParallelContext):
         super().__init__()
         self.ops = ops
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       cfg.mlp_bias, tp_rank, tp_size)
+                                                       cfg.mlp_bias, par.tp_rank, par.tp_size)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
-                                           tp_rank, tp_size)
+                                           par.tp_rank, par.tp_size, par.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, par: ParallelContext):
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, ops, tp_rank, tp_size)
-        self.mlp = DecoderMLP(cfg, ops, tp_rank, tp_size)
+        self.self_attn = DecoderAttention(cfg, ops, par)
+        self.mlp = DecoderMLP(cfg, ops, par)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -90,25 +97,39 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, par: ParallelContext = ParallelContext()):
+        """Builds this shard only: its stage's layers (the embedding on the first stage, the final
+        norm and LM head on the last), each with its TP slice of the heads and columns."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, tp_rank, tp_size)
-                                    for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.parallel = par
+        self.layer_range = stage_layers(cfg.num_hidden_layers, par.pp_rank, par.pp_size)
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par.tp_rank,
+                                                    par.tp_size, par.tp_group)
+                             if par.is_first_stage else None)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, par) for _ in self.layer_range)
+        self.norm = self.lm_head = None
+        if par.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, par.tp_rank, par.tp_size,
+                                          par.tp_group)
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first stage starts from token ids, later ones from the previous stage's (hidden,
+        residual). Returns the final normed hidden states (and None) on the last stage, else
+        (hidden, residual) for the next stage."""
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+            hidden, residual = layer(positions, hidden, residual, meta)
+        if self.norm is None:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -116,16 +137,37 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
+    def owns_weight(self, hf_name: str) -> bool:
+        """Whether this shard's stage keeps the checkpoint tensor (asked before reading it)."""
+        name = hf_name.removeprefix("model.")
+        if name.startswith("layers."):
+            return int(name.split(".", 2)[1]) in self.layer_range
+        if name.startswith("embed_tokens."):  # a tied LM head on a later stage reads it too
+            return self.embed_tokens is not None or (
+                self.lm_head is not None and self.config.tie_word_embeddings)
+        if name.startswith(("norm.", "lm_head.")):
+            return self.lm_head is not None
+        return True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...)."""
+        """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...); tensors of other
+        stages are skipped, TP slicing is each parameter's weight_loader."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        first_layer = self.layer_range.start
         for hf_name, tensor in weights:
+            if not self.owns_weight(hf_name):
+                continue
             name = hf_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            if name == "embed_tokens.weight" and self.embed_tokens is None:
+                name = "lm_head.weight"  # tied embeddings, last stage without the embedding
+            if name.startswith("layers."):  # HF layer index -> index within this stage
+                _, index, rest = name.split(".", 2)
+                name = f"layers.{int(index) - first_layer}.{rest}"
             shard_id = None
             for hf_part, (ours, shard) in self.packed_modules.items():
                 if f".{hf_part}." in name:

@@ -1,0 +1,1 @@
+"""Tensor/pipeline-parallel plumbing: process groups, stage-to-stage activations, placement."""

@@ -1,0 +1,80 @@
+"""The one message per step from the scheduler to the model: plain lists, cheap to pickle.
+
+The same StepInput drives the in-process runner and every shard worker, so neither needs
+Sequence objects. Sampling state that lasts (params, seed, prompt ids for penalties) is sent
+once, the first time a sequence is scheduled, and dropped when the engine reports it finished:
+the runner that samples keeps it, with the seeded generator, across preemptions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flagserve.engine.sampling_params import SamplingParams
+from flagserve.engine.scheduler import ScheduledBatch
+from flagserve.engine.sequence import Sequence
+
+
+@dataclass
+class NewSeq:
+    seq_id: int
+    params: SamplingParams
+    seed: int | None  # the sequence's own seed (request seed, or derived for n > 1)
+    prompt_token_ids: list[int] | None  # only when penalties need them
+
+
+@dataclass
+class StepInput:
+    # Per scheduled sequence, decodes (one new token) first.
+    seq_ids: list[int]
+    num_new_tokens: list[int]
+    start_positions: list[int]  # tokens already in the cache: the first new token's position
+    block_tables: list[list[int]]
+    token_ids: list[int]  # the new tokens of every sequence, concatenated
+    # Per sequence that samples (its chunk reaches its last token), in batch order.
+    sample_indices: list[int]  # index into the sequences above
+    num_output_tokens: list[int]  # for min_tokens
+    output_token_ids: list[list[int]] | None  # when a sampled row has penalties
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class StepInputBuilder:
+    """Engine side: turns a ScheduledBatch into a StepInput, remembering what runners know."""
+
+    def __init__(self) -> None:
+        self._known: set[int] = set()
+        self._finished: list[int] = []
+
+    def build(self, batch: ScheduledBatch) -> StepInput:
+        step = StepInput([], [], [], [], [], [], [], None, [], self._finished)
+        self._finished = []
+        penalties = False
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.seq_id not in self._known:
+                self._known.add(seq.seq_id)
+                step.new_seqs.append(NewSeq(seq.seq_id, seq.params, seq.seed,
+                                            seq.token_ids[:seq.num_prompt_tokens]
+                                            if seq.params.has_penalties else None))
+            start = seq.num_computed_tokens
+            step.seq_ids.append(seq.seq_id)
+            step.num_new_tokens.append(n)
+            step.start_positions.append(start)
+            step.block_tables.append(seq.block_table)
+            step.token_ids.extend(seq.token_ids[start:start + n])
+            if start + n == seq.num_tokens:
+                step.sample_indices.append(i)
+                step.num_output_tokens.append(seq.num_output_tokens)
+                penalties = penalties or seq.params.has_penalties
+        if penalties:
+            step.output_token_ids = [batch.seqs[i].output_token_ids for i in step.sample_indices]
+        return step
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence finished or was aborted: runners may forget it with the next step."""
+        if seq.seq_id in self._known:
+            self._known.remove(seq.seq_id)
+            self._finished.append(seq.seq_id)
