@@ -21,7 +21,20 @@ def main(cfg: DictConfig) -> None:
     _task_started = True
     from flagserve.runner.cli import execute
 
-    sys.exit(execute(cfg))
+    code = execute(cfg)
+    if _is_multirun():  # one job of several: the others still run; exit after the last
+        _multirun_codes.append(code)
+        return
+    sys.exit(code)
+
+
+_multirun_codes: list[int] = []
+
+
+def _is_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 if __name__ == "__main__":
@@ -33,3 +46,7 @@ if __name__ == "__main__":
         if exit_.code == 1 and not _task_started:
             sys.exit(2)
         raise
+    if _multirun_codes:  # -m: every point ran; bench points get a combined table
+        from flagserve.runner.bench import finish_sweep
+        finish_sweep()
+        sys.exit(max(_multirun_codes))

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 class Host:
     address: str
     slots: int  # devices of `type` on the host
-    type: str = "gpu"  # gpu | cpu | an accelerator name
+    type: str = "gpu"  # gpu | cpu | an accelerator name (FlagScale's type=A100): GPUs
     ssh_port: int | None = None
     user: str | None = None
 
@@ -30,35 +31,59 @@ class HostfileError(ValueError):
     """A malformed hostfile line: names the file and the line."""
 
 
+HOST_KEYS = ("slots", "type", "ssh_port", "user")
+_ADDRESS_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.:_-]*[A-Za-z0-9])?$")  # IPv4/6 or a host name
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+USAGE = "`IP slots=N [type=gpu|cpu|NAME] [ssh_port=N] [user=NAME]`"
+
+
 def parse_hostfile(path: str | Path) -> list[Host]:
+    """The hosts of a FlagScale hostfile, head first. Errors name the file, line and text."""
+    return parse_hostfile_text(Path(path).read_text(), str(path))
+
+
+def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
     hosts: list[Host] = []
-    seen: set[str] = set()
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
+    seen: dict[str, int] = {}
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        body = line.split("#", 1)[0].strip()
+        if not body:
             continue
-        where = f"{path}:{lineno}: {line.strip()!r}"
-        address, *fields = text.split()
-        values: dict[str, str] = {}
-        for item in fields:
-            key, sep, value = item.partition("=")
-            if not sep or key not in ("slots", "type", "ssh_port", "user") or not value:
-                raise HostfileError(f"{where}: expected `IP slots=N [type=gpu|cpu] [ssh_port=N] "
-                                    f"[user=NAME]`, got {item!r}")
-            values[key] = value
-        if "slots" not in values or not values["slots"].isdigit() or int(values["slots"]) < 1:
-            raise HostfileError(f"{where}: needs slots=N with N >= 1")
-        if values.get("ssh_port") is not None and not values["ssh_port"].isdigit():
-            raise HostfileError(f"{where}: ssh_port must be a number")
-        if address in seen:
-            raise HostfileError(f"{where}: duplicate host {address}")
-        seen.add(address)
-        hosts.append(Host(address, int(values["slots"]), values.get("type", "gpu"),
-                          int(values["ssh_port"]) if "ssh_port" in values else None,
-                          values.get("user")))
+        host = _parse_line(body, f"{source}:{lineno}: {line.strip()!r}")
+        if host.address in seen:
+            raise HostfileError(f"{source}:{lineno}: {line.strip()!r}: duplicate host "
+                                f"{host.address} (first listed on line {seen[host.address]})")
+        seen[host.address] = lineno
+        hosts.append(host)
     if not hosts:
-        raise HostfileError(f"{path}: lists no hosts")
+        raise HostfileError(f"{source}: lists no hosts; expected one per line: {USAGE}")
     return hosts
+
+
+def _parse_line(body: str, where: str) -> Host:
+    address, *fields = body.split()
+    if "=" in address or not _ADDRESS_RE.match(address):
+        raise HostfileError(f"{where}: {address!r} is not a host address; expected {USAGE}")
+    values: dict[str, str] = {}
+    for item in fields:
+        key, sep, value = item.partition("=")
+        if not sep or key not in HOST_KEYS or not value:
+            raise HostfileError(f"{where}: expected {USAGE}, got {item!r}")
+        if key in values:
+            raise HostfileError(f"{where}: {key}= given twice")
+        values[key] = value
+    slots = values.get("slots")
+    if slots is None or not slots.isdigit() or int(slots) < 1:
+        raise HostfileError(f"{where}: needs slots=N with N >= 1 (devices of the host)")
+    port = values.get("ssh_port")
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise HostfileError(f"{where}: ssh_port must be a TCP port (1..65535), got {port!r}")
+    for key in ("type", "user"):
+        if key in values and not _NAME_RE.match(values[key]):
+            raise HostfileError(f"{where}: {key}={values[key]!r} is not a simple name")
+    kind = values.get("type", "gpu")
+    kind = kind.lower() if kind.lower() in ("gpu", "cpu") else kind  # NAME: e.g. A100, a GPU
+    return Host(address, int(slots), kind, int(port) if port else None, values.get("user"))
 
 
 def local_host(envs: dict[str, str] | None = None) -> Host:

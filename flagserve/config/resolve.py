@@ -17,6 +17,10 @@ def resolve_paths(config: Config, base: Path) -> None:
     exp.exp_dir = _absolute(exp.exp_dir, base)
     if exp.runner.hostfile:
         exp.runner.hostfile = _absolute(exp.runner.hostfile, base)
+    ssh = exp.runner.ssh
+    for key in ("key_file", "known_hosts_file"):
+        if getattr(ssh, key):
+            setattr(ssh, key, _absolute(getattr(ssh, key), base))
     for module in config.serve.values():
         if isinstance(module, LLMModule):
             for key in ("model", "tokenizer"):

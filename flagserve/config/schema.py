@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-ACTIONS = ("run", "stop", "status", "test", "plan")
+ACTIONS = ("run", "stop", "status", "test", "plan", "bench")
 ENGINES = ("flagserve",)
 API_KEY_ENV = "FLAGSERVE_API_KEY"  # like vLLM's VLLM_API_KEY
 # Fields of engine_args that describe placement rather than one engine process: the engine
@@ -27,10 +27,27 @@ class DeployConfig:
     use_fs_serve: bool = False  # accepted from FlagScale configs; FlagServe always uses Ray Serve
 
 
+KNOWN_HOSTS_POLICIES = ("strict", "auto_add", "ignore")
+
+
+@dataclass
+class SSHConfig:
+    """How the multi-host runner reaches the hosts of the hostfile (paramiko, key auth only)."""
+    user: str | None = None  # default: the hostfile's user=, else the local user
+    key_file: str | None = None  # private key; null: ssh-agent and ~/.ssh/id_*
+    known_hosts: str = "strict"  # strict: reject unknown host keys | auto_add: trust and save | ignore
+    known_hosts_file: str | None = None  # default ~/.ssh/known_hosts
+    connect_timeout: float = 10.0  # seconds per connection attempt
+
+
 @dataclass
 class RunnerConfig:
     hostfile: str | None = None  # FlagScale format: `IP slots=N type=gpu`; null = this host
-    ssh_port: int = 22
+    ssh_port: int = 22  # FlagScale's key; a host's `ssh_port=` in the hostfile wins
+    ssh: SSHConfig = field(default_factory=SSHConfig)
+    ray_port: int = 6379  # GCS port of the Ray head started on the first host
+    python: str | None = None  # interpreter on every host (same path); default: this one
+    node_timeout_s: float = 120.0  # how long the head waits for every host's Ray node to join
     deploy: DeployConfig = field(default_factory=DeployConfig)
 
 
@@ -46,6 +63,36 @@ class CmdsConfig:
     after_stop: str | None = None
 
 
+BENCH_DATASETS = ("random", "shared-prefix", "jsonl")
+BENCH_ENDPOINTS = ("completions", "chat")
+BENCH_BASELINES = ("serving_path", "prefix_caching", "continuous_batching")
+
+
+@dataclass
+class BenchConfig:
+    """action=bench: the workload sent to this experiment's endpoint (see docs/bench.md)."""
+    dataset: str = "random"  # random | shared-prefix | jsonl
+    dataset_path: str | None = None  # jsonl: one {"prompt": ..., "output_len": ...} per line
+    num_prompts: int = 200
+    input_len: int = 128  # prompt tokens (shared-prefix: after the prefix)
+    output_len: int = 64  # max_tokens (with ignore_eos: exactly this many)
+    range_ratio: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)]
+    prefix_len: int = 512  # shared-prefix: tokens of the shared system prompt
+    request_rate: float = float("inf")  # Poisson arrivals per second; inf: all at once
+    burstiness: float = 1.0  # gamma shape of the inter-arrival times; 1 = Poisson
+    max_concurrency: int | None = None  # requests in flight at most
+    endpoint: str = "completions"  # completions | chat
+    ignore_eos: bool = True
+    seed: int = 0
+    warmup: int = 2  # requests sent first and not counted
+    baselines: list[str] = field(default_factory=lambda: list(BENCH_BASELINES))
+    module: str | None = None  # the LLM module to bench; default: the first one
+    result_dir: str | None = None  # default: <exp_dir>/bench
+    compare_base_url: str | None = None  # also send the workload to this OpenAI-compatible server
+    compare_model: str | None = None  # the `model` it serves (default: ours)
+    progress: bool = True  # a progress bar while requests run
+
+
 @dataclass
 class ExperimentConfig:
     exp_name: str = "flagserve"
@@ -54,6 +101,7 @@ class ExperimentConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     envs: dict[str, str | int | float | bool] = field(default_factory=dict)
     cmds: CmdsConfig = field(default_factory=CmdsConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)  # action=bench
 
 
 @dataclass

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
-from flagserve.config.schema import (ACTIONS, ENGINES, PARALLEL_ARGS, Config, LLMModule,
-                                     ResourcesConfig, UserModule)
+from flagserve.config.schema import (ACTIONS, ENGINES, KNOWN_HOSTS_POLICIES, PARALLEL_ARGS, Config,
+                                     LLMModule, ResourcesConfig, UserModule)
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.models.config import load_model_config
 
@@ -46,6 +46,24 @@ def validate_experiment(config: Config) -> None:
                           "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
     if deploy.startup_timeout_s <= 0:
         raise ConfigError("experiment.runner.deploy.startup_timeout_s", "must be > 0", "e.g. 600")
+    runner = exp.runner
+    for key, port in (("ssh_port", runner.ssh_port), ("ray_port", runner.ray_port)):
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"experiment.runner.{key}", f"{port} is not a TCP port",
+                              "use a port in 1..65535")
+    ssh = runner.ssh
+    if ssh.known_hosts not in KNOWN_HOSTS_POLICIES:
+        raise ConfigError("experiment.runner.ssh.known_hosts", f"unknown policy {ssh.known_hosts!r}",
+                          f"use one of: {', '.join(KNOWN_HOSTS_POLICIES)}")
+    if ssh.connect_timeout <= 0 or runner.node_timeout_s <= 0:
+        key = "ssh.connect_timeout" if ssh.connect_timeout <= 0 else "node_timeout_s"
+        raise ConfigError(f"experiment.runner.{key}", "must be > 0", "e.g. 10")
+    if runner.hostfile and config.action in ("run", "test"):
+        for key, file in (("key_file", ssh.key_file), ("known_hosts_file", ssh.known_hosts_file)):
+            if file and not Path(file).is_file() and not (key == "known_hosts_file"
+                                                          and ssh.known_hosts == "auto_add"):
+                raise ConfigError(f"experiment.runner.ssh.{key}", f"file {file!r} does not exist",
+                                  "point it at an existing file, or set it to null for the default")
 
 
 def validate_graph(config: Config, hosts: list[Host]) -> None:
@@ -122,7 +140,7 @@ def _check_llm(module_id: str, module: LLMModule) -> None:
             raise ConfigError(f"{path}.engine_args.{name}", f"must be an integer >= 1, got {value!r}",
                               f"set {path}.engine_args.{name}=1")
     try:
-        engine_args_for(module)
+        engine_args_for(module).check_parallelism(model_cfg)
     except (ValueError, TypeError) as err:
         match = re.match(r"EngineArgs\.(\w+) (.*)", str(err))
         key, message = (match.group(1), match.group(2)) if match else ("", str(err))

@@ -33,10 +33,17 @@ def load(cfg: DictConfig | dict) -> tuple[Config, list[Host]]:
     config, notes = parse_config(cfg)
     resolve_paths(config, Path.cwd())
     validate_experiment(config)
-    hosts = inventory(config)
-    if config.action in ("run", "test", "plan"):
+    # stop and status work from the run's records: a hostfile edited or deleted since is fine
+    hosts = inventory(config) if config.action in ("run", "test", "plan", "bench") else []
+    if config.action in ("run", "test", "plan", "bench"):
         notes += fill_tiny_models(config, create=True)
         validate_graph(config, hosts)
+        if config.experiment.runner.hostfile:
+            from flagserve.runner.placement import place
+            place(config, hosts)  # every shard fits its hosts, or a ConfigError now
+    if config.action == "bench":
+        from flagserve.config.bench import prepare_bench
+        prepare_bench(config, Path.cwd())
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     return config, hosts
@@ -61,14 +68,20 @@ def dispatch(config: Config, hosts: list[Host]) -> int:
         from flagserve.runner.plan import print_plan
         print_plan(config, hosts)
         return EXIT_OK
-    if config.experiment.runner.hostfile and config.action in ("run", "test"):
-        raise ConfigError("experiment.runner.hostfile", "multi-host deployment (SSH runner) is "
-                          "not available in this build yet", "set it to null to serve on this host")
-    for module_id, module in config.llms.items():
-        if config.action in ("run", "test") and module.world_size > 1:
-            raise ConfigError(f"serve.{module_id}.engine_args.tensor_parallel_size",
-                              "tensor/pipeline-parallel shard workers are not available in this "
-                              "build yet", "use tensor_parallel_size=1 and pipeline_parallel_size=1")
+    if config.experiment.runner.hostfile:
+        from flagserve.runner import multihost
+        if config.action == "run":
+            return multihost.run(config, hosts)
+        if config.action == "stop":
+            return multihost.stop(config)
+        if config.action == "status":
+            return multihost.status(config)
+        if config.action == "test":
+            from flagserve.runner.smoke import smoke_test
+            return smoke_test(config, hosts)
+        if config.action == "bench":
+            from flagserve.runner.bench import bench
+            return bench(config, hosts)
     from flagserve.runner import local
     if config.action == "run":
         return local.run(config)
@@ -79,4 +92,7 @@ def dispatch(config: Config, hosts: list[Host]) -> int:
     if config.action == "test":
         from flagserve.runner.smoke import smoke_test
         return smoke_test(config)
+    if config.action == "bench":
+        from flagserve.runner.bench import bench
+        return bench(config)
     raise AssertionError(config.action)  # validate_experiment lists the actions

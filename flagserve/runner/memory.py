@@ -1,7 +1,7 @@
 """Memory per device of one engine shard: weights, and the KV cache capacity in tokens.
 
 Counts parameters from the safetensors headers (exact, reads a few KB per file) and mirrors
-the engine's KV budget rule (ModelRunner._blocks_from_memory_budget).
+the engine's KV budget rule (ModelRunner.kv_capacity_blocks).
 """
 from __future__ import annotations
 

@@ -23,7 +23,12 @@ class ShardPlacement:
 
 
 def place(config: Config, hosts: list[Host]) -> list[ShardPlacement]:
-    free = {h.address: list(range(h.num_gpus)) for h in hosts}
+    """Each replica's stages in host order, first fit: a stage's TP ranks on one host.
+
+    Capacity is a host's slots (GPUs, or CPUs on `type=cpu` hosts: each CPU shard takes one).
+    Without a hostfile, CPU shards all run on this host whatever its core count."""
+    multihost = bool(config.experiment.runner.hostfile)
+    free = {h.address: list(range(h.slots)) for h in hosts}
     out = []
     for module_id, module in config.llms.items():
         res = module.resources
@@ -32,15 +37,32 @@ def place(config: Config, hosts: list[Host]) -> list[ShardPlacement]:
         tp = module.tensor_parallel_size
         for replica in range(replicas):
             for stage in range(module.pipeline_parallel_size):
-                if not gpu:
+                if not gpu and not multihost:
                     out.append(ShardPlacement(module_id, replica, stage, hosts[0].address, []))
                     continue
-                host = next((h for h in hosts if len(free[h.address]) >= tp), None)
-                if host is None:
+                fits = [h for h in hosts if (h.num_gpus or not gpu) and len(free[h.address]) >= tp]
+                if not fits:
+                    kind = "GPUs" if gpu else "CPU slots (type=cpu hosts)"
                     raise ConfigError(f"serve.{module_id}.engine_args.tensor_parallel_size",
-                                      f"replica {replica} stage {stage} needs {tp} GPUs on one "
+                                      f"replica {replica} stage {stage} needs {tp} {kind} on one "
                                       "host and no host has that many left",
                                       "lower tensor_parallel_size or num_replicas, or add hosts")
+                host = fits[0]
                 devices, free[host.address] = free[host.address][:tp], free[host.address][tp:]
-                out.append(ShardPlacement(module_id, replica, stage, host.address, devices))
+                out.append(ShardPlacement(module_id, replica, stage, host.address,
+                                          devices if gpu else []))
     return out
+
+
+def stage_hosts(config: Config, hosts: list[Host], module_id: str) -> list[str] | None:
+    """The host of each pipeline stage of `module_id`, for the engine's placement group
+    (EngineArgs.placement_hosts), when a hostfile is used and every replica is placed alike
+    (one Serve deployment gives all its replicas the same arguments); else None: Ray packs."""
+    if not config.experiment.runner.hostfile:
+        return None
+    plans: dict[int, list[str]] = {}
+    for s in place(config, hosts):
+        if s.module_id == module_id:
+            plans.setdefault(s.replica, []).append(s.host)
+    distinct = {tuple(p) for p in plans.values()}
+    return list(distinct.pop()) if len(distinct) == 1 else None

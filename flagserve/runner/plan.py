@@ -31,8 +31,15 @@ def print_plan(config: Config, hosts: list[Host]) -> None:
     gpus = sum(h.num_gpus for h in hosts)
     print(f"plan for {exp.exp_name}: {len(hosts)} host(s), {gpus} GPU(s); head {head.address}; "
           f"exp_dir {exp.exp_dir}")
+    if exp.runner.hostfile:
+        for h in hosts:
+            kind = f"{h.num_gpus} GPU(s)" if h.num_gpus else f"{h.slots} CPU slot(s)"
+            role = "Ray head + serving process" if h is head else "Ray node"
+            print(f"  host {h.address:<22} {role}, {kind}, resource host:{h.address}")
     print(f"  {'deployment':<24} {'replicas':<18} placement")
-    url = f"http://{config.deploy.host}:{config.deploy.port}"
+    bind = config.deploy.host
+    url_host = head.address if exp.runner.hostfile and bind in ("0.0.0.0", "::") else bind
+    url = f"http://{url_host}:{config.deploy.port}"
     print(f"  {'ingress':<24} {config.deploy.ingress_replicas!s:<18} {head.address} (CPU), "
           f"OpenAI API at {url}/v1")
     print(f"  {'metrics':<24} {'1':<18} {head.address} (CPU)")

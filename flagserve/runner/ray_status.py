@@ -17,9 +17,10 @@ class DeploymentStatus:
     message: str = ""
 
 
-def serve_status(gcs_address: str, namespace: str, app_name: str,
-                 token_file: Path) -> tuple[str, list[DeploymentStatus]]:
-    """(application status, its deployments). Connects as a short-lived Ray driver."""
+def serve_status(gcs_address: str, namespace: str, app_name: str, token_file: Path,
+                 disconnect: bool = True) -> tuple[str, list[DeploymentStatus]]:
+    """(application status, its deployments). Connects as a short-lived Ray driver (left
+    connected with disconnect=False, for more questions; the caller then calls ray.shutdown)."""
     os.environ.update(ray_auth_env(token_file))
     import ray
     from ray import serve
@@ -38,4 +39,5 @@ def serve_status(gcs_address: str, namespace: str, app_name: str,
             for name, d in app.deployments.items()]
         return str(getattr(app.status, "value", app.status)), deployments
     finally:
-        ray.shutdown()
+        if disconnect:
+            ray.shutdown()

@@ -5,6 +5,7 @@
     exp_dir/run/processes.json   ProcessRecord per started process (pid, session, start time)
     exp_dir/run/ray.json         the Ray cluster the server started: GCS address, namespace
     exp_dir/run/ray_auth_token   the cluster's Ray auth token (mode 0600)
+    exp_dir/run/hosts.json       multi-host runs: HostRecord per host (how `stop` reaches it)
 """
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ class RayRecord:
 
 
 @dataclass
+class HostRecord:
+    """A host of a multi-host run, as `run` reached it (stop and status need no hostfile)."""
+    address: str
+    user: str
+    ssh_port: int
+    shared_fs: bool  # exp_dir on the host is this machine's exp_dir (same files): no copying
+    head: bool = False
+
+
+@dataclass
 class ExpPaths:
     root: Path
 
@@ -57,6 +68,10 @@ class ExpPaths:
     @property
     def ray(self) -> Path:
         return self.run / "ray.json"
+
+    @property
+    def hosts(self) -> Path:
+        return self.run / "hosts.json"
 
     @property
     def ray_token(self) -> Path:
@@ -97,6 +112,16 @@ def load_ray(paths: ExpPaths) -> RayRecord | None:
     return RayRecord(**json.loads(paths.ray.read_text()))
 
 
+def save_hosts(paths: ExpPaths, records: list[HostRecord]) -> None:
+    _write_json(paths.hosts, [asdict(r) for r in records])
+
+
+def load_hosts(paths: ExpPaths) -> list[HostRecord]:
+    if not paths.hosts.exists():
+        return []
+    return [HostRecord(**r) for r in json.loads(paths.hosts.read_text())]
+
+
 def clear(paths: ExpPaths) -> None:
-    for path in (paths.processes, paths.ray):
+    for path in (paths.processes, paths.ray, paths.hosts):
         path.unlink(missing_ok=True)

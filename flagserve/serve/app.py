@@ -46,9 +46,11 @@ def deployment_options(res: ResourcesConfig, num_cpus: float, num_gpus: float = 
 def engine_options(module: LLMModule, hosts: list[Host]) -> dict[str, Any]:
     max_num_seqs = int(module.engine_args.get("max_num_seqs", 256))
     gpu = uses_gpu(module, hosts)
-    # TP x PP > 1 (shard workers in a placement group) is wired in by the multi-host runner.
-    return deployment_options(module.resources, num_cpus=0 if gpu else 1,
-                              num_gpus=module.world_size if gpu else 0,
+    # TP x PP > 1: the shard workers (their own placement group) hold the devices; the engine
+    # replica only schedules and drives them.
+    sharded = module.world_size > 1
+    return deployment_options(module.resources, num_cpus=0 if gpu or sharded else 1,
+                              num_gpus=1 if gpu and not sharded else 0,
                               max_ongoing=4 * max_num_seqs, target_ongoing=max_num_seqs)
 
 

@@ -7,9 +7,10 @@ Ray Serve hop and a busy ingress receives fewer, larger chunks instead of fallin
 Non-streaming requests get exactly one item. Cancelling the call (client disconnect)
 aborts the request and frees its KV blocks.
 
-Tensor/pipeline-parallel shard workers (TP x PP Ray actors in this replica's placement
-group, driven with one message per step) plug in below LLMEngine; with TP = PP = 1 the
-engine runs in this process.
+With TP x PP > 1 the replica only schedules: LLMEngine's RayExecutor starts the shard
+workers (Ray actors in this replica's own placement group, one per device) and drives them
+with one message per step; they die with the replica. With TP = PP = 1 the model runs in
+this process.
 """
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ class EngineDeployment:
         engine = getattr(self, "async_engine", None)
         if engine is not None:
             engine.shutdown()
+            self.engine.shutdown()  # the shard workers and their placement group
 
 
 def _chunk(out: RequestOutput) -> EngineChunk:

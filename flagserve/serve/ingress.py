@@ -201,7 +201,10 @@ class OpenAIIngress:
         for p in prompts:
             if isinstance(p, list) and any(not 0 <= t < info.vocab_size for t in p):
                 raise OpenAIError(400, f"prompt token ids must be in [0, {info.vocab_size})", "prompt")
-        token_ids = await route.tokenizer.encode_prompts.remote(prompts)
+        if all(isinstance(p, list) for p in prompts):
+            token_ids = prompts  # token ids: no hop to the tokenizer deployment (~4 ms on CPU)
+        else:
+            token_ids = await route.tokenizer.encode_prompts.remote(prompts)
         rid = f"cmpl-{uuid.uuid4().hex}"
         header = Header(rid, req.model or route.names[0])
         requests = []

@@ -1,24 +1,30 @@
-"""The serving process: owns a Ray cluster on this host, deploys the graph, waits for SIGTERM.
+"""The serving process: deploys the graph on a Ray cluster, waits for SIGTERM.
 
     python -m flagserve.serve --config EXP_DIR/config.yaml
+    python -m flagserve.serve --config EXP_DIR/config.yaml --cluster CLUSTER.json
 
-Started by `run.py action=run` (flagserve.runner); `action=stop` sends SIGTERM, on which it
-shuts down Serve and then Ray, whose processes it started and which die with it.
+Started by `run.py action=run` (flagserve.runner). Alone, it owns a Ray cluster on this host;
+`action=stop` sends SIGTERM, on which it shuts down Serve and then Ray, whose processes it
+started and which die with it. With --cluster (the multi-host runner starts it on the head),
+it joins the Ray cluster the runner started on the hosts of the hostfile, waits until every
+host's node is up, deploys, and on SIGTERM shuts down Serve only: the nodes are the runner's.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import yaml
 
 from flagserve.config import parse_config
-from flagserve.config.hostfile import local_host
+from flagserve.config.hostfile import Host, local_host
 from flagserve.runner.records import ExpPaths, RayRecord, save_ray
 
 log = logging.getLogger("flagserve.server")
@@ -28,13 +34,18 @@ OBJECT_STORE_BYTES = 256 * 2**20  # Serve moves small messages; don't reserve GB
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flagserve.serve")
     parser.add_argument("--config", required=True, type=Path)
+    parser.add_argument("--cluster", type=Path, help="join this cluster (multi-host runner)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config, _ = parse_config(yaml.safe_load(args.config.read_text()))
     paths = ExpPaths(Path(config.experiment.exp_dir))
     stop = threading.Event()
+
+    def on_signal(*_):
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
 
     import ray
     from ray import serve
@@ -42,19 +53,32 @@ def main(argv: list[str] | None = None) -> int:
     from flagserve.serve.app import build_app
 
     deploy = config.deploy
-    ray.init(namespace=config.namespace, include_dashboard=False, num_cpus=os.cpu_count(),
-             object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING)
+    endpoint = f"http://{deploy.host}:{deploy.port}"
+    if args.cluster is not None:
+        cluster = json.loads(args.cluster.read_text())
+        hosts = [Host(**h) for h in cluster["hosts"]]
+        ray.init(address=cluster["address"], namespace=config.namespace,
+                 logging_level=logging.WARNING)
+    else:
+        hosts = [local_host(config.experiment.envs)]
+        ray.init(namespace=config.namespace, include_dashboard=False, num_cpus=logical_cpus(config),
+                 object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING)
+    # ray.init installs Ray's own SIGTERM handler (it logs a stack trace and exits at once,
+    # before Serve is shut down): take SIGTERM/SIGINT back.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
-        node = ray._private.worker.global_worker.node  # noqa: SLF001 - the session dir
-        session_dir = node.get_session_dir_path()
-        _link_ray_logs(paths, Path(session_dir) / "logs")
-        endpoint = f"http://{deploy.host}:{deploy.port}"
-        save_ray(paths, RayRecord(ray.get_runtime_context().gcs_address, config.namespace,
-                                  config.experiment.exp_name, session_dir, endpoint))
+        if args.cluster is not None:
+            wait_for_nodes(hosts, float(cluster.get("node_timeout_s", 120)))
+        else:
+            node = ray._private.worker.global_worker.node  # noqa: SLF001 - the session dir
+            session_dir = node.get_session_dir_path()
+            _link_ray_logs(paths, Path(session_dir) / "logs")
+            save_ray(paths, RayRecord(ray.get_runtime_context().gcs_address, config.namespace,
+                                      config.experiment.exp_name, session_dir, endpoint))
         serve.start(http_options={"host": deploy.host, "port": deploy.port},
                     proxy_location="HeadOnly")
-        serve.run(build_app(config, [local_host(config.experiment.envs)]),
-                  name=config.experiment.exp_name, route_prefix="/")
+        serve.run(build_app(config, hosts), name=config.experiment.exp_name, route_prefix="/")
         log.info("serving %s at %s", config.experiment.exp_name, endpoint)
         while not stop.wait(1.0):
             pass
@@ -63,6 +87,33 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+def wait_for_nodes(hosts: list[Host], timeout_s: float) -> None:
+    """Block until a live Ray node runs on every host, or fail naming the missing ones."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+        missing = [h.address for h in hosts if h.address not in alive]
+        if not missing:
+            log.info("all %d Ray nodes are up: %s", len(hosts), ", ".join(sorted(alive)))
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no Ray node joined from host(s) {', '.join(missing)} within "
+                               f"{timeout_s:g} s; see exp_dir/logs/<host>/ray-worker.log")
+        time.sleep(0.5)
+
+
+def logical_cpus(config) -> int:
+    """This host's CPUs plus one per CPU shard worker: TP x PP on CPU oversubscribes the cores
+    rather than leave the shards' placement group waiting for CPUs this host never has."""
+    from flagserve.config.validate import uses_gpu
+    host = local_host(config.experiment.envs)
+    shards = sum(m.world_size * max(m.resources.num_replicas, m.resources.min_replicas or 1)
+                 for m in config.llms.values() if m.world_size > 1 and not uses_gpu(m, [host]))
+    return (os.cpu_count() or 1) + shards
 
 
 def _link_ray_logs(paths: ExpPaths, target: Path) -> None:

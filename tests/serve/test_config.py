@@ -55,6 +55,10 @@ def test_default_config_plans(capsys):
     (["action=deploy"], "action", "run, stop, status, test, plan"),
     (["serve.llm.engine_args.device=cuda"], "serve.llm.engine_args.device", "no host has one"),
     (["serve.llm.resources.min_replicas=3"], "serve.llm.resources.max_replicas", "both"),
+    (["serve.llm.engine_args.tensor_parallel_size=3"], "serve.llm.engine_args.tensor_parallel_size",
+     "must divide the model's num_attention_heads=4, got 3"),
+    (["serve.llm.engine_args.pipeline_parallel_size=3"],
+     "serve.llm.engine_args.pipeline_parallel_size", "at most the model's 2 layers"),
 ])
 def test_bad_config(capsys, overrides, key, words):
     code, out, err = run(capsys, *overrides)
@@ -80,7 +84,7 @@ def test_more_gpus_than_hosts(capsys, tmp_path):
     assert code == EXIT_CONFIG and "ask for 2 GPUs" in err and "have 1" in err
     code, _, err = run(capsys, f"experiment.runner.hostfile={hostfile}",
                        "serve.llm.engine_args.device=auto",
-                       "+serve.llm.engine_args.tensor_parallel_size=2")
+                       "serve.llm.engine_args.tensor_parallel_size=2")
     assert code == EXIT_CONFIG and "tensor_parallel_size" in err and "largest host has 1" in err
 
 

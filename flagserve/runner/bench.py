@@ -1,0 +1,209 @@
+"""action=bench: benchmark the deployment this config describes, with baselines in the same run.
+
+    python run.py --config-name serve action=bench [experiment.bench.request_rate=10 ...]
+    python run.py -m --config-name serve action=bench serve.llm.engine_args.max_num_seqs=16,64,256
+
+Uses the running deployment of this experiment when its serving graph is the configured one;
+otherwise starts it, and stops it after the HTTP run (only what it started). The in-process
+baselines then run with the deployment stopped, so they do not compete with it for CPU.
+Results: <exp_dir>/bench/<time>[-<point>]/result.json, result.png, baselines.png. In a Hydra
+multirun every point is one such run (its own deployment), and finish_sweep() writes the
+combined table to <exp_dir>/bench/sweep-<time>/.
+
+The benchmark code lives in benchmarks/serving (importable from the repository root).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flagserve.config.hostfile import Host
+from flagserve.config.schema import Config
+from flagserve.config.validate import engine_args_for, served_names, uses_gpu
+from flagserve.runner import local
+from flagserve.runner.records import ExpPaths, load_processes
+
+REPO = Path(__file__).resolve().parents[2]
+SWEEP: list[dict[str, Any]] = []  # one entry per bench run of this process (multirun points)
+
+
+def _import_suite() -> Any:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from benchmarks.serving import suite
+    return suite
+
+
+def _hydra_overrides() -> tuple[list[str], bool]:
+    """(this job's command-line overrides without action=, whether it is a multirun point)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+        hc = HydraConfig.get()
+    except (ImportError, ValueError):
+        return [], False
+    overrides = [o for o in hc.overrides.task if not o.startswith("action=")]
+    return overrides, hc.mode == RunMode.MULTIRUN
+
+
+def _swept_keys() -> set[str]:
+    """Keys the multirun command line sweeps (a,b,c / range(...) / choice(...) / glob(...))."""
+    keys = set()
+    for arg in sys.argv[1:]:
+        key, eq, value = arg.partition("=")
+        if eq and not key.startswith("-") and ("," in value.strip("[]") and not value.startswith("[")
+                                               or value.startswith(("range(", "choice(", "glob("))):
+            keys.add(key.lstrip("+~"))
+    return keys
+
+
+def _short(override: str) -> str:
+    key, _, value = override.partition("=")
+    return f"{key.rsplit('.', 1)[-1]}={value}"
+
+
+def _plain(data: Any) -> Any:
+    return yaml.safe_load(yaml.safe_dump(data, sort_keys=True))
+
+
+def config_differences(paths: ExpPaths, config: Config) -> list[str]:
+    """Keys of `serve` whose value differs from what the running deployment was started with."""
+    if not paths.config.exists():
+        return []
+    running = (yaml.safe_load(paths.config.read_text()) or {}).get("serve", {})
+    wanted = _plain(dataclasses.asdict(config)["serve"])
+    out: list[str] = []
+
+    def walk(a: Any, b: Any, key: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{key}.{k}")
+        elif a != b:
+            out.append(f"{key}: running {a!r}, configured {b!r}")
+
+    walk(running, wanted, "serve")
+    return out
+
+
+def bench(config: Config, hosts: list[Host] | None = None) -> int:
+    """`hosts`: a multi-host deployment (hostfile) instead of this host."""
+    suite = _import_suite()
+    b = config.experiment.bench
+    module_id = b.module or next(iter(config.llms))
+    module = config.llms[module_id]
+    paths = ExpPaths(Path(config.experiment.exp_dir))
+    url = local.endpoint(config)
+    if hosts is not None:
+        from flagserve.runner import multihost
+        url = multihost.endpoints(config, hosts[0].address)[1]
+    running = local.is_running(paths) if hosts is None else bool(load_processes(paths))
+    if running:
+        diff = config_differences(paths, config)
+        if diff:
+            print(f"{config.experiment.exp_name} is running with another serving graph:\n  "
+                  + "\n  ".join(diff[:10]) + f"\nstop it first ({local.same_command('stop')}) or "
+                  "bench it with the config it was started with", file=sys.stderr)
+            return 1
+        print(f"benchmarking the running deployment at {url} (it stays running)")
+
+    overrides, multirun = _hydra_overrides()
+    settings = suite.Settings.from_config(b)
+    engine_args = engine_args_for(module).to_dict()
+    tokenizer_path = engine_args.get("tokenizer") or engine_args["model"]
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    samples, offsets = suite.workload(settings, tokenizer)
+    model = served_names(module_id, module)[0]
+    title = (f"{config.experiment.exp_name}: {model}, {settings.dataset} x{len(samples)}, "
+             f"rate {'inf' if settings.request_rate == float('inf') else settings.request_rate}"
+             + (f", max concurrency {settings.max_concurrency}" if settings.max_concurrency else "")
+             + (f" [{', '.join(overrides)}]" if overrides else ""))
+
+    started = False
+    if not running:
+        code = local.run(config) if hosts is None else multihost.run(config, hosts)
+        if code != 0:
+            return code
+        started = True
+    runs = []
+    try:
+        target = suite.Target(url, model, config.api_key, settings.endpoint, settings.ignore_eos)
+        print(f"sending {len(samples)} requests to {target.url} ...", flush=True)
+        runs.append(suite.http_run("HTTP (FlagServe)", target, settings, samples, offsets))
+        if b.compare_base_url:
+            other = suite.Target(b.compare_base_url, b.compare_model or model, None,
+                                 settings.endpoint, settings.ignore_eos)
+            print(f"sending the same requests to {other.url} ...", flush=True)
+            runs.append(suite.http_run(f"HTTP ({b.compare_base_url})", other, settings, samples, offsets))
+    finally:
+        if started:
+            local.stop(config) if hosts is None else multihost.stop(config)
+
+    baselines: dict[str, Any] = {}
+    if settings.baselines and runs:
+        print(f"baselines in-process: {', '.join(settings.baselines)} ...", flush=True)
+        threads = None if uses_gpu(module, hosts or []) else int(module.resources.num_cpus or 1)
+        extra_runs, baselines = suite.run_baselines(runs[0], engine_args, tokenizer, settings,
+                                                    samples, offsets, threads)
+        runs += extra_runs
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    label = ",".join(_short(o) for o in overrides if o.partition("=")[0] in _swept_keys()) if multirun else ""
+    name = stamp + (f"-{re.sub(r'[^A-Za-z0-9_.=,-]+', '_', label)[:80]}" if label else "")
+    out_dir = Path(b.result_dir or paths.root / "bench") / name
+    files = suite.save(out_dir, title, settings, runs, baselines, {
+        "experiment": config.experiment.exp_name, "model": model, "endpoint": url,
+        "overrides": overrides, "engine_args": engine_args, "started_deployment": started})
+    print(suite.report.table(runs[0].metrics, prefix_cache=runs[0].prefix_cache,
+                             request_rate=settings.request_rate, max_concurrency=settings.max_concurrency))
+    for run in runs[1:]:
+        if run.label.startswith("HTTP"):
+            print(suite.report.table(run.metrics, title=run.label, prefix_cache=run.prefix_cache))
+    for line in suite.baseline_lines(baselines):
+        print(line)
+    print(f"results: {files['json']}\nfigures: " + ", ".join(str(p) for k, p in files.items() if k != "json"))
+    SWEEP.append({"overrides": overrides, "dir": str(out_dir), "result_dir": str(out_dir.parent),
+                  "metrics": runs[0].metrics, "baselines": baselines, "title": title})
+    return 0 if runs[0].metrics.completed else 1
+
+
+def finish_sweep() -> None:
+    """After a Hydra multirun: one table (and sweep.json, sweep.png) over every bench point."""
+    if len(SWEEP) < 2:
+        return
+    suite = _import_suite()
+    keys: dict[str, list[str]] = {}
+    for point in SWEEP:
+        for o in point["overrides"]:
+            k, _, v = o.partition("=")
+            keys.setdefault(k, []).append(v)
+    varying = [k for k, vs in keys.items() if len(set(vs)) > 1 or len(vs) < len(SWEEP)]
+    rows, labels = [], []
+    for point in SWEEP:
+        values = dict(o.partition("=")[::2] for o in point["overrides"])
+        label = ", ".join(f"{k.rsplit('.', 1)[-1]}={values.get(k, '-')}" for k in varying) or point["dir"]
+        m = point["metrics"]
+        labels.append(label)
+        rows.append({"point": label, "ok": m.completed, "failed": m.failed,
+                     "req/s": m.request_throughput, "out tok/s": m.output_throughput,
+                     "TTFT p50": m.latency_ms["ttft"]["median"], "TTFT p99": m.latency_ms["ttft"]["p99"],
+                     "TPOT p50": m.latency_ms["tpot"]["median"], "ITL p50": m.latency_ms["itl"]["median"],
+                     "E2E p50": m.latency_ms["e2el"]["median"], "result": point["dir"]})
+    columns = [(k, k) for k in rows[0] if k != "result"]
+    out_dir = Path(SWEEP[0]["result_dir"]) / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suite.report.write_json(out_dir / "sweep.json", {
+        "varying": varying, "machine": suite.report.machine(),
+        "points": [{**r, "metrics": p["metrics"].to_dict(), "baselines": p["baselines"]}
+                   for r, p in zip(rows, SWEEP)]})
+    suite.plot.plot_sweep(out_dir / "sweep.png", f"sweep over {', '.join(varying)}", labels,
+                          [p["metrics"] for p in SWEEP])
+    print(f"\n=== sweep: {len(SWEEP)} points (latencies in ms) ===")
+    print(suite.report.comparison_table(rows, columns))
+    print(f"sweep results: {out_dir / 'sweep.json'}, figure: {out_dir / 'sweep.png'}")
