@@ -36,5 +36,9 @@ test: venv
 bench: venv
 	$(PY) benchmarks/throughput.py
 
+# The serving benchmark of conf/serve.yaml with its baselines; see docs/bench.md.
+bench-serve: venv
+	$(PY) run.py --config-name serve action=bench
+
 clean-venv:
 	rm -rf $(VENV)

@@ -43,11 +43,13 @@ def make_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int
     return Workload(prompts, [rng.randint(*output_len) for _ in range(n)])
 
 
-def run_flagserve(model: str, work: Workload, args: argparse.Namespace) -> tuple[float, dict]:
+def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine_args) -> tuple[float, dict]:
     from flagserve import LLM, SamplingParams
 
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.backend)
+    engine_args = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "attention_backend": args.backend, **engine_args}
+    llm = LLM(model, **engine_args)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate(work.prompts[:4], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
@@ -92,6 +94,24 @@ def run_hf(model: str, work: Workload, args: argparse.Namespace) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def compare(model: str, work: Workload, dtype: str = "float32", max_num_seqs: int = 256,
+            max_num_batched_tokens: int | None = None, backend: str = "auto", hf_batch_size: int = 0,
+            skip_hf: bool = False, **engine_args) -> dict:
+    """FlagServe vs HF generate on `work`; importable (run.py action=bench uses it).
+
+    `engine_args` are further EngineArgs of the FlagServe run (e.g. a deployment's)."""
+    args = argparse.Namespace(dtype=dtype, max_num_seqs=max_num_seqs, backend=backend,
+                              max_num_batched_tokens=max_num_batched_tokens, hf_batch_size=hf_batch_size)
+    fs_time, fs_stats = run_flagserve(model, work, args, **engine_args)
+    result = {"requests": len(work.prompts), "output_tokens": work.output_tokens,
+              "flagserve_seconds": fs_time, "flagserve_output_tps": work.output_tokens / fs_time, **fs_stats}
+    if not skip_hf:
+        hf_time = run_hf(model, work, args)
+        result.update(hf_seconds=hf_time, hf_output_tps=work.output_tokens / hf_time,
+                      ratio=hf_time / fs_time, hf_batch_size=hf_batch_size or len(work.prompts))
+    return result
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput (throughput.py) and serving (serve.py, serving/)."""

@@ -1,0 +1,134 @@
+"""Benchmark prompts: random, shared-prefix and JSONL, as vLLM's `bench serve` builds them.
+
+Random prompts are built from the tokenizer's vocabulary, then decoded and re-encoded until
+the text tokenizes to exactly the asked length, so `prompt_len` is what the server sees for a
+/v1/completions request (special tokens the tokenizer adds, e.g. BOS, are counted).
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DATASETS = ("random", "shared-prefix", "jsonl")
+MAX_ROUNDS = 16  # decode/re-encode rounds before giving up on one prompt
+
+
+@dataclass
+class SampleRequest:
+    prompt: str  # the request's own text; after `prefix` for shared-prefix prompts
+    prompt_len: int  # tokens of prefix + prompt as a completions request, special tokens included
+    output_len: int | None  # max_tokens (None: the server's default)
+    prefix: str = ""  # shared system prompt (chat: the system message)
+
+    @property
+    def text(self) -> str:
+        return self.prefix + self.prompt
+
+
+def lengths(mean: int, range_ratio: float, n: int, rng: random.Random) -> list[int]:
+    """n lengths uniform in [mean * (1 - r), mean * (1 + r)], at least 1 (vLLM's range ratio)."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+class PromptMaker:
+    """Texts of an exact token count from random vocabulary tokens."""
+
+    def __init__(self, tokenizer: Any, seed: int = 0):
+        self.tok = tokenizer
+        self.rng = random.Random(seed)
+        self.num_special = tokenizer.num_special_tokens_to_add()
+        special = set(tokenizer.all_special_ids)
+        # Tokens that decode to clean text on their own: random picks then round-trip well.
+        self.candidates = [i for i in range(len(tokenizer)) if i not in special
+                           and "\ufffd" not in (s := tokenizer.decode([i])) and s.strip()]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def _random(self, n: int) -> list[int]:
+        return [self.rng.choice(self.candidates) for _ in range(n)]
+
+    def text(self, num_tokens: int, head: str = "") -> str:
+        """A text T with len(encode(head + T)) == len(encode(head)) + num_tokens and the
+        head's tokens unchanged (the shared prefix stays a prefix in token space)."""
+        head_ids = self.encode(head) if head else []
+        tail = self._random(num_tokens)
+        for _ in range(MAX_ROUNDS):
+            text = self.tok.decode(tail)
+            ids = self.encode(head + text)
+            if ids[:len(head_ids)] != head_ids:  # merged across the boundary: new first token
+                tail = self._random(1) + tail[1:]
+                continue
+            got = ids[len(head_ids):]
+            if len(got) == num_tokens:
+                return text
+            tail = got[:num_tokens] if len(got) > num_tokens else got + self._random(num_tokens - len(got))
+        raise RuntimeError(f"could not build a prompt of exactly {num_tokens} tokens")
+
+
+def random_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
+                   range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
+    maker = PromptMaker(tokenizer, seed)
+    rng = random.Random(seed)
+    ins, outs = lengths(input_len, range_ratio, num_prompts, rng), lengths(output_len, range_ratio, num_prompts, rng)
+    return [SampleRequest(maker.text(max(1, n - maker.num_special)), max(n, maker.num_special + 1), o)
+            for n, o in zip(ins, outs)]
+
+
+def shared_prefix_dataset(tokenizer: Any, num_prompts: int, prefix_len: int, input_len: int,
+                          output_len: int, range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
+    """Every request starts with the same `prefix_len`-token system prompt, then `input_len`
+    tokens of its own: what prefix caching is for."""
+    maker = PromptMaker(tokenizer, seed)
+    rng = random.Random(seed)
+    prefix = maker.text(max(1, prefix_len - maker.num_special))
+    base = len(maker.encode(prefix)) + maker.num_special
+    ins, outs = lengths(input_len, range_ratio, num_prompts, rng), lengths(output_len, range_ratio, num_prompts, rng)
+    return [SampleRequest(maker.text(n, head=prefix), base + n, o, prefix=prefix)
+            for n, o in zip(ins, outs)]
+
+
+def jsonl_dataset(path: str | Path, num_prompts: int | None, output_len: int | None,
+                  tokenizer: Any = None) -> list[SampleRequest]:
+    """One JSON object per line: {"prompt": str, "output_len" or "max_tokens": int (optional)}.
+    Lines without a length get `output_len`. Takes the first `num_prompts` lines."""
+    out = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt = row["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" string") from None
+        if not isinstance(prompt, str):
+            raise ValueError(f"{path}:{number}: \"prompt\" must be a string")
+        n_out = row.get("output_len", row.get("max_tokens", output_len))
+        n_in = len(tokenizer.encode(prompt)) if tokenizer is not None else 0
+        out.append(SampleRequest(prompt, n_in, n_out))
+        if num_prompts is not None and len(out) == num_prompts:
+            break
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def build_dataset(name: str, tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
+                  range_ratio: float = 0.0, prefix_len: int = 0, path: str | None = None,
+                  seed: int = 0) -> list[SampleRequest]:
+    if name == "random":
+        return random_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
+    if name == "shared-prefix":
+        return shared_prefix_dataset(tokenizer, num_prompts, prefix_len, input_len, output_len,
+                                     range_ratio, seed)
+    if name == "jsonl":
+        if not path:
+            raise ValueError("the jsonl dataset needs a path")
+        return jsonl_dataset(path, num_prompts, output_len, tokenizer)
+    raise ValueError(f"unknown dataset {name!r}; use one of {', '.join(DATASETS)}")

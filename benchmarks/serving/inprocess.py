@@ -1,0 +1,92 @@
+"""The baseline of the serving path: the same workload straight into LLMEngine, in this process.
+
+Same arrival times, same concurrency limit, same definitions as the HTTP client: a request
+starts when it is handed to the engine (prompts are tokenized beforehand, so tokenization is
+part of what the HTTP path adds), a "chunk" is an output that carries text, and its time is
+when step() returns it. The difference to the HTTP run is what Ray Serve, HTTP, SSE and the
+tokenizer deployment add.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from tqdm import tqdm
+
+from benchmarks.serving.datasets import SampleRequest
+from benchmarks.serving.metrics import RequestResult
+
+
+def encode(tokenizer: Any, sample: SampleRequest, endpoint: str) -> list[int]:
+    """Token ids exactly as FlagServe's tokenizer deployment makes them."""
+    if endpoint == "chat":
+        messages = [{"role": "system", "content": sample.prefix}] if sample.prefix else []
+        messages.append({"role": "user", "content": sample.prompt})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(sample.text)
+
+
+def bench_engine(engine: Any, samples: list[SampleRequest], offsets: list[float],
+                 max_concurrency: int | None = None, endpoint: str = "completions",
+                 ignore_eos: bool = True, progress: bool = True, warmup: int = 1
+                 ) -> tuple[list[RequestResult], float]:
+    """Drive `engine` (an LLMEngine) with the workload; returns results and the duration."""
+    from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
+
+    ids = [encode(engine.tokenizer, s, endpoint) for s in samples]
+
+    def params(sample: SampleRequest, prompt_len: int, cap: int | None = None) -> SamplingParams:
+        max_tokens = sample.output_len or engine.max_model_len - prompt_len
+        return SamplingParams(temperature=0.0, max_tokens=min(max_tokens, cap or max_tokens),
+                              ignore_eos=ignore_eos, output_kind=RequestOutputKind.DELTA)
+
+    for i in range(min(warmup, len(samples))):  # warm-up, as the HTTP run
+        engine.add_request(f"warmup-{i}", ids[i], params(samples[i], len(ids[i]), cap=8))
+    while engine.has_unfinished():
+        engine.step()
+
+    results = [RequestResult(success=False, prompt_len=len(p)) for p in ids]
+    starts = [0.0] * len(samples)
+    last = [0.0] * len(samples)
+    pending = deque(sorted(range(len(samples)), key=lambda i: offsets[i]))
+    active = 0
+    bar = tqdm(total=len(samples), desc="in-process", unit="req", disable=not progress, smoothing=0)
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter()
+        while pending and t0 + offsets[pending[0]] <= now and (not max_concurrency or active < max_concurrency):
+            i = pending.popleft()
+            starts[i] = now
+            results[i].start = now - t0
+            engine.add_request(str(i), ids[i], params(samples[i], len(ids[i])), arrival_time=time.time())
+            active += 1
+            now = time.perf_counter()
+        if not engine.has_unfinished():
+            if pending:
+                time.sleep(max(0.0, t0 + offsets[pending[0]] - time.perf_counter()))
+            continue
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            i = int(out.request_id)
+            r = results[i]
+            r.output_len += sum(len(c.token_ids) for c in out.outputs)
+            if any(c.text for c in out.outputs):
+                if not r.chunk_times:
+                    r.ttft = now - starts[i]
+                else:
+                    r.itl.append(now - last[i])
+                r.chunk_times.append(now - t0)
+                last[i] = now
+            if out.finished:
+                active -= 1
+                r.cached_tokens = out.num_cached_tokens
+                r.success = bool(r.chunk_times)
+                r.latency = last[i] - starts[i]
+                r.error = "" if r.success else "no output chunk"
+                bar.update(1)
+    duration = time.perf_counter() - t0
+    bar.close()
+    return results, duration

@@ -1,0 +1,75 @@
+"""Datasets with exact token counts, the shared prefix, JSONL, and the Poisson schedule."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from benchmarks.serving.datasets import (build_dataset, jsonl_dataset, lengths, random_dataset,
+                                         shared_prefix_dataset)
+from benchmarks.serving.schedule import arrival_offsets
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_path):
+    return AutoTokenizer.from_pretrained(llama_path)
+
+
+def test_random_prompts_have_exact_token_counts(tokenizer):
+    samples = random_dataset(tokenizer, 60, input_len=100, output_len=20, range_ratio=0.5, seed=1)
+    assert len(samples) == 60
+    for s in samples:
+        # what the server sees for /v1/completions: encode() with special tokens (BOS)
+        assert len(tokenizer.encode(s.text)) == s.prompt_len
+        assert 50 <= s.prompt_len <= 150 and 10 <= s.output_len <= 30
+    assert len({s.prompt_len for s in samples}) > 10  # the range ratio spreads them
+    again = random_dataset(tokenizer, 60, 100, 20, 0.5, seed=1)
+    assert [s.text for s in again] == [s.text for s in samples]  # reproducible by seed
+
+
+def test_range_ratio_zero_gives_fixed_lengths(tokenizer):
+    samples = random_dataset(tokenizer, 10, 64, 16, 0.0)
+    assert {s.prompt_len for s in samples} == {64} and {s.output_len for s in samples} == {16}
+    with pytest.raises(ValueError):
+        lengths(10, 1.0, 3, __import__("random").Random(0))
+
+
+def test_shared_prefix_is_a_token_prefix_of_every_prompt(tokenizer):
+    samples = shared_prefix_dataset(tokenizer, 20, prefix_len=256, input_len=32, output_len=8, seed=3)
+    prefix_ids = tokenizer.encode(samples[0].prefix)
+    assert len(prefix_ids) == 256
+    for s in samples:
+        ids = tokenizer.encode(s.text)
+        assert ids[:256] == prefix_ids and len(ids) == s.prompt_len == 256 + 32
+    assert len({s.prompt for s in samples}) == 20  # distinct own parts
+
+
+def test_jsonl_dataset(tmp_path, tokenizer):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "Hello there", "output_len": 5}, {"prompt": "Second", "max_tokens": 7},
+        {"prompt": "Third"}]) + "\n\n")
+    samples = jsonl_dataset(path, None, 9, tokenizer)
+    assert [(s.prompt, s.output_len) for s in samples] == [("Hello there", 5), ("Second", 7), ("Third", 9)]
+    assert samples[0].prompt_len == len(tokenizer.encode("Hello there"))
+    assert len(build_dataset("jsonl", tokenizer, 2, 1, 9, path=str(path))) == 2
+    path.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match="p.jsonl:1"):
+        jsonl_dataset(path, None, 9)
+
+
+def test_poisson_schedule():
+    offsets = arrival_offsets(4000, request_rate=20.0, seed=0)
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(1 / 20, rel=0.05)
+    assert gaps.std() == pytest.approx(1 / 20, rel=0.1)  # exponential: std == mean
+    assert arrival_offsets(5, 20.0, seed=0) == arrival_offsets(5, 20.0, seed=0)
+    assert arrival_offsets(3, math.inf) == [0.0, 0.0, 0.0]
+    smooth = np.diff(arrival_offsets(4000, 20.0, burstiness=10.0, seed=0))
+    assert smooth.mean() == pytest.approx(1 / 20, rel=0.05) and smooth.std() < gaps.std() / 2
+    with pytest.raises(ValueError):
+        arrival_offsets(3, 0.0)
