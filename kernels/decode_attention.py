@@ -16,12 +16,10 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) 
     return rows.view(batch, num_blocks * cache.shape[1], *cache.shape[2:])
 
 
-def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                 scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
-    max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
     k = gather_kv(k_cache, block_tables, num_blocks).transpose(1, 2)  # [B, Hkv, T, D]
     v = gather_kv(v_cache, block_tables, num_blocks).transpose(1, 2)
@@ -29,9 +27,32 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     mask = (positions[None, :] < seq_lens[:, None].to(q.device))[:, None, None, :]  # [B,1,1,T]
     # The query heads of one KV head become its "query tokens": one 4-D SDPA call on CPU's
     # flash kernel with no K/V expansion (the mask is the same for every query of a sequence).
-    grouped = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    grouped = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
     return out.reshape(batch, num_q_heads, head_dim)
+
+
+BUCKETS = 4  # length buckets of a large decode batch
+MIN_BUCKETED_BATCH = 16
+
+
+def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                 scale: float) -> torch.Tensor:
+    lens = seq_lens.tolist()
+    if len(lens) < MIN_BUCKETED_BATCH:
+        return _attend(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale)
+    # Gathering every sequence to the longest one's length wastes half the work on uniform
+    # lengths; quartiles of similar length cut the padding to about a quarter.
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    out = torch.empty_like(q)
+    step = -(-len(order) // BUCKETS)
+    for start in range(0, len(order), step):
+        rows = order[start:start + step]
+        idx = torch.tensor(rows, device=q.device)
+        out[idx] = _attend(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx],
+                           lens[rows[-1]], scale)
+    return out
 
 
 def __getattr__(name: str):
