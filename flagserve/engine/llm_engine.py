@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from flagserve.engine.block_manager import BlockManager
 from flagserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from flagserve.engine.engine_args import EngineArgs
+from flagserve.engine.kv_budget import batched_tokens
 from flagserve.engine.executor import make_executor
 from flagserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -20,7 +21,6 @@ from flagserve.engine.step_input import StepInputBuilder
 from flagserve.layers.sampler import SamplerOutput
 from flagserve.models.config import load_model_config
 
-DEFAULT_CHUNKED_BATCH_TOKENS = 4096
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -54,8 +54,7 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"EngineArgs.max_model_len={self.max_model_len} exceeds the model's "
                              f"{cfg.max_position_embeddings} positions; lower it")
-        batched = args.max_num_batched_tokens or (
-            DEFAULT_CHUNKED_BATCH_TOKENS if args.enable_chunked_prefill else self.max_model_len)
+        batched = batched_tokens(args, self.max_model_len)
         if not args.enable_chunked_prefill and batched < self.max_model_len:
             raise ValueError(f"EngineArgs.max_num_batched_tokens={batched} is smaller than max_model_len="
                              f"{self.max_model_len}: without chunked prefill a whole prompt must fit "

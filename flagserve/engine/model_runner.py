@@ -13,6 +13,7 @@ import torch
 from flagserve.distributed.parallel_state import ParallelContext
 from flagserve.distributed.pipeline import recv_activations, send_activations
 from flagserve.engine.engine_args import EngineArgs
+from flagserve.engine.kv_budget import capacity_blocks, kv_budget_bytes
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.step_input import StepInput
 from flagserve.layers.attention_metadata import AttentionMetadata
@@ -79,23 +80,12 @@ class ModelRunner:
 
     def kv_capacity_blocks(self) -> int:
         """Blocks this shard can hold; the engine takes the minimum over shards."""
-        # Never more than every sequence slot filled to max_model_len could use.
-        useful = self.args.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        total, used = None, 0
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            activations = self._activation_bytes_estimate()
-            budget = int(total * self.args.gpu_memory_utilization) - used - activations
-        else:
-            budget = int(self.args.cpu_kv_cache_space_gib * 2**30)
-        return max(min(useful, budget // self.block_bytes()), 0)
-
-    def _activation_bytes_estimate(self) -> int:
-        cfg = self.cfg
-        tokens = self.args.max_num_batched_tokens or 2048
-        width = cfg.hidden_size * 4 + cfg.intermediate_size * 3 + cfg.num_attention_heads * cfg.head_dim * 3
-        logits = self.args.max_num_seqs * cfg.vocab_size * 4 * 3
-        return tokens * width * 4 + logits
+        budget = kv_budget_bytes(self.args, self.cfg, self.max_model_len, total, used)
+        return capacity_blocks(self.args, self.max_model_len, budget, self.block_bytes())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # Zero-filled: masked attention lanes multiply cache contents by 0, and 0 * NaN = NaN.

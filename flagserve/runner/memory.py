@@ -1,7 +1,7 @@
 """Memory per device of one engine shard: weights, and the KV cache capacity in tokens.
 
-Counts parameters from the safetensors headers (exact, reads a few KB per file) and mirrors
-the engine's KV budget rule (ModelRunner.kv_capacity_blocks).
+Counts parameters from the safetensors headers (exact, reads a few KB per file) and applies
+the engine's own KV budget rule (flagserve/engine/kv_budget.py) to the weights it counted.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from flagserve.config.errors import ConfigError
 from flagserve.config.schema import LLMModule
 from flagserve.config.validate import engine_args_for
+from flagserve.engine.kv_budget import capacity_blocks, kv_budget_bytes
 from flagserve.models.config import ModelConfig, load_model_config
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -82,20 +83,15 @@ def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
         device = gpu_memory_bytes()
         source = f"{args.gpu_memory_utilization:.0%} of a " + (
             f"{device / 2**30:.0f} GiB GPU" if device else f"{ASSUMED_GPU_GIB:.0f} GiB GPU (assumed: no GPU visible here)")
-        device = device or int(ASSUMED_GPU_GIB * 2**30)
-        tokens = args.max_num_batched_tokens or 2048
-        width = cfg.hidden_size * 4 + cfg.intermediate_size * 3 + cfg.num_attention_heads * cfg.head_dim * 3
-        activations = tokens * width * 4 + args.max_num_seqs * cfg.vocab_size * 4 * 3
-        budget = int(device * args.gpu_memory_utilization) - weights - activations
+        budget = kv_budget_bytes(args, cfg, max_model_len, device or int(ASSUMED_GPU_GIB * 2**30), weights)
     else:
         source = f"cpu_kv_cache_space_gib={args.cpu_kv_cache_space_gib}"
-        budget = int(args.cpu_kv_cache_space_gib * 2**30)
+        budget = kv_budget_bytes(args, cfg, max_model_len, None, 0)
     if args.num_kv_blocks:
         source = f"num_kv_blocks={args.num_kv_blocks}"
         kv_tokens = args.num_kv_blocks * args.block_size
         budget = kv_tokens * kv_per_token
     else:
-        useful = args.max_num_seqs * -(-max_model_len // args.block_size) + 1
-        kv_tokens = min(useful, max(budget, 0) // (kv_per_token * args.block_size)) * args.block_size
+        kv_tokens = capacity_blocks(args, max_model_len, budget, kv_per_token * args.block_size) * args.block_size
     return MemoryEstimate(cfg, dtype, params, weights, kv_per_token, budget, kv_tokens,
                           max_model_len, source)
