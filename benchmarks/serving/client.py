@@ -2,7 +2,8 @@
 
 One aiohttp session; each request waits for its arrival time, then for a concurrency slot,
 then streams (SSE) from /v1/completions or /v1/chat/completions with
-stream_options.include_usage, so the token counts are the server's own.
+stream_options.include_usage, so the token counts are the server's own. A "chunk" is one
+read from the socket that carries text: SSE events read together arrived together.
 """
 from __future__ import annotations
 
@@ -80,19 +81,34 @@ async def send_one(session: aiohttp.ClientSession, target: Target, sample: Sampl
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return result
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
+            # Events that arrive in the same read reach the client at the same instant: they
+            # count as one chunk (one ITL gap), never as a burst of ~0 ms gaps.
+            pending = b""
+            done = False
+            async for data in resp.content.iter_any():
                 now = time.perf_counter()
-                event = json.loads(data)
-                if "error" in event:
-                    result.error = str(event["error"].get("message", event["error"]))[:200]
-                    return result
-                if any(_chunk_text(c, chat) for c in event.get("choices") or ()):
+                *lines, pending = (pending + data).split(b"\n")
+                text = False
+                for raw in lines:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    event = json.loads(payload)
+                    if "error" in event:
+                        result.error = str(event["error"].get("message", event["error"]))[:200]
+                        return result
+                    text = text or any(_chunk_text(c, chat) for c in event.get("choices") or ())
+                    usage = event.get("usage")
+                    if usage:
+                        result.output_len = usage.get("completion_tokens") or 0
+                        result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
+                        details = usage.get("prompt_tokens_details") or {}
+                        result.cached_tokens = details.get("cached_tokens")
+                if text:
                     if chunks == 0:
                         result.ttft = now - start
                     else:
@@ -100,12 +116,8 @@ async def send_one(session: aiohttp.ClientSession, target: Target, sample: Sampl
                     result.chunk_times.append(now - t0)
                     last = now
                     chunks += 1
-                usage = event.get("usage")
-                if usage:
-                    result.output_len = usage.get("completion_tokens") or 0
-                    result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
-                    details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = details.get("cached_tokens")
+                if done:
+                    break
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as err:
         result.error = f"{type(err).__name__}: {err}"[:200]
         return result

@@ -3,8 +3,8 @@
 Same arrival times, same concurrency limit, same definitions as the HTTP client: a request
 starts when it is handed to the engine (prompts are tokenized beforehand, so tokenization is
 part of what the HTTP path adds), a "chunk" is an output that carries text, and its time is
-when step() returns it. The difference to the HTTP run is what Ray Serve, HTTP, SSE and the
-tokenizer deployment add.
+when step() returns it. The difference to the HTTP run is what Ray Serve, HTTP, SSE and
+tokenization add.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from benchmarks.serving.metrics import RequestResult
 
 
 def encode(tokenizer: Any, sample: SampleRequest, endpoint: str) -> list[int]:
-    """Token ids exactly as FlagServe's tokenizer deployment makes them."""
+    """Token ids exactly as FlagServe's server makes them (flagserve/serve/tokenizer.py)."""
     if endpoint == "chat":
         messages = [{"role": "system", "content": sample.prefix}] if sample.prefix else []
         messages.append({"role": "user", "content": sample.prompt})

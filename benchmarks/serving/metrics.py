@@ -2,7 +2,9 @@
 
     TTFT  time from sending the request to the first chunk carrying output text
     ITL   every gap between consecutive chunks of one request (a chunk may hold several
-          tokens when the server merges them; vLLM counts each chunk as one gap too)
+          tokens when the server merges them; vLLM counts each chunk as one gap too). Over
+          HTTP a chunk is one socket read carrying text, so SSE events that arrive together
+          make one gap, not a burst of ~0 ms gaps (vLLM's client would count those)
     TPOT  per request: (E2E - TTFT) / (output tokens - 1), for requests with > 1 token
     E2E   time from sending the request to its last chunk
 Throughputs divide by the run's duration (first send to last completion). Percentiles are

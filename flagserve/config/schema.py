@@ -121,15 +121,27 @@ class ResourcesConfig:
 
 
 @dataclass
+class TokenizerResources(ResourcesConfig):
+    """The tokenizer's deployment: none by default (the ingress tokenizes, one Ray hop less)."""
+    num_replicas: int = 0
+
+
+@dataclass
 class LLMModule:
-    """A model served by FlagServe's engine: one engine deployment + its tokenizer deployment."""
+    """A model served by FlagServe's engine: one engine deployment; its prompts are tokenized
+    in the ingress, or by a tokenizer deployment of their own when tokenizer.num_replicas > 0."""
     engine: str = "flagserve"
     engine_args: dict[str, Any] = field(default_factory=dict)
     model_name: str | None = None  # name clients send as `model`; default: the model dir name
     tiny_model: str | None = None  # when engine_args.model is null: the built-in tiny model arch
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-    tokenizer: ResourcesConfig = field(default_factory=ResourcesConfig)
+    tokenizer: TokenizerResources = field(default_factory=TokenizerResources)
     depends: list[str] = field(default_factory=list)  # user modules that preprocess requests
+
+    @property
+    def tokenizer_deployment(self) -> bool:
+        """False: the ingress tokenizes (no Ray Serve hop before the engine)."""
+        return self.tokenizer.autoscaling or self.tokenizer.num_replicas > 0
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -83,6 +83,7 @@ def validate_graph(config: Config, hosts: list[Host]) -> None:
                     raise ConfigError(f"serve.{module_id}.model_name",
                                       f"{name!r} is also served by serve.{names[name]}",
                                       f"set a distinct serve.{module_id}.model_name")
+            _check_resources(f"serve.{module_id}.tokenizer", module.tokenizer, min_replicas=0)
         else:
             _check_user_module(module_id, module)
         _check_resources(f"serve.{module_id}.resources", module.resources)
@@ -164,9 +165,11 @@ def _check_user_module(module_id: str, module: UserModule) -> None:
                           f"use one of: {', '.join(classes) or '(no classes defined)'}")
 
 
-def _check_resources(path: str, res: ResourcesConfig) -> None:
-    if res.num_replicas < 1:
-        raise ConfigError(f"{path}.num_replicas", f"must be >= 1, got {res.num_replicas}", "e.g. 1")
+def _check_resources(path: str, res: ResourcesConfig, min_replicas: int = 1) -> None:
+    if res.num_replicas < min_replicas:
+        fix = "e.g. 1" if min_replicas else "0 (tokenize in the ingress) or more replicas"
+        raise ConfigError(f"{path}.num_replicas",
+                          f"must be >= {min_replicas}, got {res.num_replicas}", fix)
     lo, hi = res.min_replicas, res.max_replicas
     if res.autoscaling:
         if lo is None or hi is None:

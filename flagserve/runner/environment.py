@@ -11,12 +11,14 @@ from pathlib import Path
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.schema import Config
+from flagserve.serve.ray_env import SERVE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def server_env(config: Config, token_file: Path | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    env = dict(SERVE_ENV)  # Ray Serve's latency settings; the caller's environment wins
+    env.update(os.environ)
     env.update({k: _str(v) for k, v in config.experiment.envs.items()})
     if config.experiment.cmds.before_start:
         env = _env_after(config.experiment.cmds.before_start, env, "experiment.cmds.before_start")

@@ -24,6 +24,7 @@ from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.distributed.placement import host_resource  # `host:<address>`, what shards pin to
 from flagserve.runner.environment import REPO_ROOT
+from flagserve.serve.ray_env import SERVE_ENV
 
 OBJECT_STORE_BYTES = 256 * 2**20  # Serve moves small messages; don't reserve GBs of /dev/shm
 HOST_RESOURCE_UNITS = 1000  # `host:<address>` units per node: pin with a fraction of it
@@ -100,8 +101,10 @@ def ray_start(config: Config, host: Host, head: Host) -> list[str]:
 
 
 def environment_args(config: Config, paths: HostPaths) -> list[str]:
-    """`--env K=V ...` (experiment.envs, then Ray's token auth) and `--before-start CMD`."""
+    """`--env K=V ...` (experiment.envs, Ray Serve's latency settings it leaves unset, then
+    Ray's token auth) and `--before-start CMD`."""
     env = {k: _str(v) for k, v in config.experiment.envs.items()}
+    env.update({k: v for k, v in SERVE_ENV.items() if k not in env})
     env.update(ray_env(paths))
     args = [f"--env={k}={v}" for k, v in env.items()]
     if config.experiment.cmds.before_start:

@@ -49,7 +49,8 @@ def print_plan(config: Config, hosts: list[Host]) -> None:
     for s in place(config, hosts):
         shards[s.module_id].append(s)
     for mid, m in config.llms.items():
-        print(f"  {mid + '-tokenizer':<24} {_replicas(m.tokenizer):<18} any host (CPU)")
+        if m.tokenizer_deployment:
+            print(f"  {mid + '-tokenizer':<24} {_replicas(m.tokenizer):<18} any host (CPU)")
         gpu = uses_gpu(m, hosts)
         layout = f"TP {m.tensor_parallel_size} x PP {m.pipeline_parallel_size}"
         print(f"  {mid + '-engine':<24} {_replicas(m.resources):<18} {layout}, "

@@ -1,7 +1,8 @@
 """The serving graph: config modules -> Ray Serve deployments, wired by `depends`.
 
-    ingress (OpenAI API) -> [user modules of the model, dependencies first]
-                         -> <id>-tokenizer -> <id>-engine (-> shard workers, TP x PP)
+    ingress (OpenAI API, tokenizes) -> [user modules of the model, dependencies first]
+                                    -> <id>-engine (-> shard workers, TP x PP)
+    (with tokenizer.num_replicas > 0, the ingress asks <id>-tokenizer instead of tokenizing)
     <id>-engine -> metrics (one replica; /metrics renders every engine replica)
 """
 from __future__ import annotations
@@ -79,14 +80,17 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
     routes = []
     for mid, module in config.llms.items():
         names = served_names(mid, module)
-        tokenizer = serve.deployment(TokenizerDeployment).options(
-            name=f"{mid}-tokenizer", **deployment_options(module.tokenizer, num_cpus=0)
-        ).bind(module.engine_args.get("tokenizer") or module.engine_args["model"])
+        tokenizer_path = module.engine_args.get("tokenizer") or module.engine_args["model"]
+        tokenizer = None
+        if module.tokenizer_deployment:
+            tokenizer = serve.deployment(TokenizerDeployment).options(
+                name=f"{mid}-tokenizer", **deployment_options(module.tokenizer, num_cpus=0)
+            ).bind(tokenizer_path)
         engine_args = engine_args_for(module).to_dict()  # placement fields stay here
         engine = serve.deployment(EngineDeployment).options(
             name=f"{mid}-engine", **engine_options(module, hosts)
         ).bind(mid, names[0], engine_args, hub)
-        routes.append(ModelRoute(mid, names, engine, tokenizer,
+        routes.append(ModelRoute(mid, names, engine, tokenizer_path, tokenizer,
                                  [(d, users[d]) for d in dependency_order(config, mid)]))
     deploy = config.deploy
     return serve.deployment(OpenAIIngress).options(

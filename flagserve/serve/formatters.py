@@ -1,4 +1,8 @@
-"""Engine chunks -> OpenAI response bodies and SSE events, for completions and chat."""
+"""Engine chunks -> OpenAI response bodies and SSE events, for completions and chat.
+
+Streams take batches of (prompt index, chunk) (streams.batches) and write one SSE event
+per batch: the chunks of one choice in a batch are merged into one delta, and every choice
+with something to say goes into the same event (`choices` is a list in OpenAI's format)."""
 from __future__ import annotations
 
 import logging
@@ -7,12 +11,24 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from flagserve.serve.messages import EngineChunk
+from flagserve.serve.messages import ChoiceDelta, EngineChunk, merge_choice
 from flagserve.serve.openai_format import (CompletionLogprobs, Header, OpenAIError, Usage,
                                            chat_choice, chat_logprobs, completion_choice,
                                            error_message, sse)
 
 log = logging.getLogger(__name__)
+Batches = AsyncIterator[list[tuple[int, EngineChunk]]]
+
+
+def _merged(batch: list[tuple[int, EngineChunk]]) -> dict[tuple[int, int], ChoiceDelta]:
+    """(prompt, choice index) -> the choice's deltas in this batch as one, in arrival order."""
+    deltas: dict[tuple[int, int], ChoiceDelta] = {}
+    for prompt, chunk in batch:
+        for d in chunk.choices:
+            key = (prompt, d.index)
+            prev = deltas.get(key)
+            deltas[key] = d if prev is None else merge_choice(prev, d)
+    return deltas
 
 
 class CompletionFormat:
@@ -42,23 +58,25 @@ class CompletionFormat:
         # Tokens whose text is held back (a partial stop string) are sent with their text.
         return bool(d.text or d.finish_reason or (self.logprobs is not None and d.token_ids))
 
-    async def stream(self, chunks: AsyncIterator[tuple[int, EngineChunk]],
-                     include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, batches: Batches, include_usage: bool) -> AsyncIterator[str]:
         seen: set[int] = set()
-        async for prompt, chunk in chunks:
-            self._account(chunk, seen, prompt)
-            choices = [self._choice(prompt, d) for d in chunk.choices if self._worth_sending(d)]
+        async for batch in batches:
+            for prompt, chunk in batch:
+                self._account(chunk, seen, prompt)
+            choices = [self._choice(prompt, d) for (prompt, _), d in _merged(batch).items()
+                       if self._worth_sending(d)]
             if choices:
                 yield sse(self.header.body("text_completion", choices))
         if include_usage:
             yield sse(self.header.body("text_completion", [], usage=self.usage.body()))
 
-    async def full(self, chunks: AsyncIterator[tuple[int, EngineChunk]]) -> dict[str, Any]:
+    async def full(self, batches: Batches) -> dict[str, Any]:
         seen: set[int] = set()
         choices = []
-        async for prompt, chunk in chunks:
-            self._account(chunk, seen, prompt)
-            choices += [self._choice(prompt, d) for d in chunk.choices]
+        async for batch in batches:
+            for prompt, chunk in batch:
+                self._account(chunk, seen, prompt)
+                choices += [self._choice(prompt, d) for d in chunk.choices]
         choices.sort(key=lambda c: c["index"])
         return self.header.body("text_completion", choices, usage=self.usage.body())
 
@@ -78,16 +96,16 @@ class ChatFormat:
             return None
         return chat_logprobs(delta.logprobs, delta.token_ids, self.top)
 
-    async def stream(self, chunks: AsyncIterator[tuple[int, EngineChunk]],
-                     include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, batches: Batches, include_usage: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk"
         yield sse(self.header.body(obj, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}
                                          for i in range(self.n)]))
-        async for _, chunk in chunks:
-            self._account(chunk)
+        async for batch in batches:
+            for _, chunk in batch:
+                self._account(chunk)
             choices = []
-            for d in chunk.choices:
+            for d in _merged(batch).values():
                 if not (d.text or d.finish_reason or (self.top is not None and d.token_ids)):
                     continue
                 lp = self._logprobs(d)
@@ -99,11 +117,13 @@ class ChatFormat:
         if include_usage:
             yield sse(self.header.body(obj, [], usage=self.usage.body()))
 
-    async def full(self, chunks: AsyncIterator[tuple[int, EngineChunk]]) -> dict[str, Any]:
+    async def full(self, batches: Batches) -> dict[str, Any]:
         choices = []
-        async for _, chunk in chunks:
-            self._account(chunk)
-            choices += [chat_choice(d.index, d.text, d, self._logprobs(d)) for d in chunk.choices]
+        async for batch in batches:
+            for _, chunk in batch:
+                self._account(chunk)
+                choices += [chat_choice(d.index, d.text, d, self._logprobs(d))
+                            for d in chunk.choices]
         choices.sort(key=lambda c: c["index"])
         return self.header.body("chat.completion", choices, usage=self.usage.body())
 

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP ingress (FastAPI on Ray Serve).
 
 Per request: authorize, validate, route by `model`, run the model's user modules, tokenize
-(tokenizer deployment), then one streaming call to the engine deployment. Responses follow
-vLLM's OpenAI server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+(here, or in the tokenizer deployment when the config asks for one), then one streaming call
+to the engine deployment; what the engine streams back is written as SSE events, one per
+batch of chunks that arrived together (streams.batches). Responses follow vLLM's OpenAI
+server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
 Helpers live in other modules: @serve.ingress copies the methods with the module globals
 of the moment the class is defined, so names defined below the class would be missing.
@@ -28,7 +30,8 @@ from flagserve.serve.formatters import ChatFormat, CompletionFormat, sse_respons
 from flagserve.serve.messages import EngineChunk, EngineRequest, ModelInfo
 from flagserve.serve.openai_format import Header, OpenAIError, error_message
 from flagserve.serve.protocol import ChatCompletionRequest, CompletionRequest
-from flagserve.serve.streams import cancel_on_close, merge, prepend
+from flagserve.serve.streams import batches, cancel_on_close, prepend
+from flagserve.serve.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -53,7 +56,8 @@ class ModelRoute:
     module_id: str
     names: list[str]  # values of `model` that select this module
     engine: Any  # DeploymentHandle of the engine deployment
-    tokenizer: Any  # DeploymentHandle of the tokenizer deployment
+    tokenizer_path: str
+    tokenizer: Any  # DeploymentHandle of the tokenizer deployment; None: tokenize here
     preprocessors: list[tuple[str, Any]]  # user modules, dependencies first
 
 
@@ -65,6 +69,9 @@ class OpenAIIngress:
         self.api_key = api_key
         self.metrics_hub = metrics_hub
         self.infos: dict[str, ModelInfo] = {}
+        # In-process tokenizers (no Ray Serve hop before the engine call).
+        self.tokenizers = {r.module_id: PromptTokenizer(r.tokenizer_path)
+                           for r in routes if r.tokenizer is None}
 
     # plumbing
 
@@ -122,6 +129,22 @@ class OpenAIIngress:
             parsed = self._parse(model, body)
         return parsed, route, await self._info(route)
 
+    async def _encode_prompts(self, route: ModelRoute, prompts: list) -> list[list[int]]:
+        if route.tokenizer is None:
+            return self.tokenizers[route.module_id].encode_prompts(prompts)
+        return await route.tokenizer.encode_prompts.remote(prompts)
+
+    async def _encode_chat(self, route: ModelRoute, req: Any) -> list[int]:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            if route.tokenizer is None:
+                return self.tokenizers[route.module_id].encode_chat(
+                    messages, req.add_generation_prompt, req.chat_template_kwargs)
+            return await route.tokenizer.encode_chat.remote(messages, req.add_generation_prompt,
+                                                            req.chat_template_kwargs)
+        except ValueError as err:
+            raise OpenAIError(400, error_message(err), "messages") from None
+
     @staticmethod
     def _check_budget(info: ModelInfo, prompt_len: int, max_tokens: int | None, what: str) -> int:
         limit = info.max_model_len
@@ -144,12 +167,12 @@ class OpenAIIngress:
             raise OpenAIError(400, str(err).removeprefix("SamplingParams."), field) from None
 
     async def _start(self, route: ModelRoute, requests: list[EngineRequest]
-                     ) -> AsyncIterator[tuple[int, EngineChunk]]:
-        """Start one engine stream per prompt; the first item is fetched before returning so
+                     ) -> AsyncIterator[list[tuple[int, EngineChunk]]]:
+        """Start one engine stream per prompt; the first batch is fetched before returning so
         that engine-side validation errors become HTTP 400 instead of a broken stream."""
         handle = route.engine.options(stream=True)
         gens = [handle.generate.remote(r) for r in requests]
-        merged = cancel_on_close(merge(gens), gens)
+        merged = cancel_on_close(batches(gens), gens)
         try:
             first = await merged.__anext__()
         except ValueError as err:
@@ -202,9 +225,9 @@ class OpenAIIngress:
             if isinstance(p, list) and any(not 0 <= t < info.vocab_size for t in p):
                 raise OpenAIError(400, f"prompt token ids must be in [0, {info.vocab_size})", "prompt")
         if all(isinstance(p, list) for p in prompts):
-            token_ids = prompts  # token ids: no hop to the tokenizer deployment (~4 ms on CPU)
+            token_ids = prompts
         else:
-            token_ids = await route.tokenizer.encode_prompts.remote(prompts)
+            token_ids = await self._encode_prompts(route, prompts)
         rid = f"cmpl-{uuid.uuid4().hex}"
         header = Header(rid, req.model or route.names[0])
         requests = []
@@ -230,12 +253,7 @@ class OpenAIIngress:
                 raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
             if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
                 raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        try:
-            ids = await route.tokenizer.encode_chat.remote(messages, req.add_generation_prompt,
-                                                           req.chat_template_kwargs)
-        except ValueError as err:
-            raise OpenAIError(400, error_message(err), "messages") from None
+        ids = await self._encode_chat(route, req)
         max_tokens = self._check_budget(info, len(ids), req.requested_max_tokens, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling(req, max_tokens, top)

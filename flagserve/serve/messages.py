@@ -26,6 +26,15 @@ class ChoiceDelta:
     stop_reason: int | str | None
 
 
+def merge_choice(a: ChoiceDelta, b: ChoiceDelta) -> ChoiceDelta:
+    """`b` following `a` (same choice) as one delta."""
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return ChoiceDelta(a.index, a.text + b.text, a.token_ids + b.token_ids, logprobs,
+                       b.finish_reason, b.stop_reason)
+
+
 @dataclass
 class EngineChunk:
     choices: list[ChoiceDelta]

@@ -26,6 +26,7 @@ import yaml
 from flagserve.config import parse_config
 from flagserve.config.hostfile import Host, local_host
 from flagserve.runner.records import ExpPaths, RayRecord, save_ray
+from flagserve.serve.ray_env import SERVE_ENV
 
 log = logging.getLogger("flagserve.server")
 OBJECT_STORE_BYTES = 256 * 2**20  # Serve moves small messages; don't reserve GBs of /dev/shm
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
 
+    # Ray Serve reads its settings when imported, in this process and in every Ray worker
+    # (which inherit this environment when this process starts the cluster).
+    for key, value in SERVE_ENV.items():
+        os.environ.setdefault(key, value)
     import ray
     from ray import serve
 

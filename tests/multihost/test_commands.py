@@ -11,6 +11,7 @@ from flagserve.config.hostfile import parse_hostfile_text
 from flagserve.runner import host_commands as cmd
 from flagserve.runner.environment import REPO_ROOT
 from flagserve.runner.ssh import ssh_target
+from flagserve.serve.ray_env import SERVE_ENV
 
 PY = "/opt/venv/bin/python"
 AGENT = ["env", f"PYTHONPATH={REPO_ROOT}", PY, "-m", "flagserve.runner.agent"]
@@ -28,7 +29,8 @@ def config(**experiment):
     return cfg
 
 
-AUTH = ["--env=NCCL_DEBUG=INFO", "--env=FLAG=1", "--env=RAY_AUTH_MODE=token"]
+AUTH = ["--env=NCCL_DEBUG=INFO", "--env=FLAG=1", *(f"--env={k}={v}" for k, v in SERVE_ENV.items()),
+        "--env=RAY_AUTH_MODE=token"]
 
 
 def test_head_node():

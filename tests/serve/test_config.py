@@ -3,6 +3,7 @@ without a traceback and without starting anything."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,13 @@ def test_default_config_plans(capsys):
     code, out, err = run(capsys)
     assert code == 0, err
     assert "llm-engine" in out and "KV cache" in out and "tokens" in out
+    assert "llm-tokenizer" not in out  # tokenized in the ingress unless asked for
+
+
+def test_tokenizer_deployment_is_optional(capsys):
+    code, out, err = run(capsys, "serve.llm.tokenizer.num_replicas=2")
+    assert code == 0, err
+    assert re.search(r"llm-tokenizer\s+2\b", out), out
 
 
 @pytest.mark.parametrize("overrides,key,words", [
@@ -55,6 +63,8 @@ def test_default_config_plans(capsys):
     (["action=deploy"], "action", "run, stop, status, test, plan"),
     (["serve.llm.engine_args.device=cuda"], "serve.llm.engine_args.device", "no host has one"),
     (["serve.llm.resources.min_replicas=3"], "serve.llm.resources.max_replicas", "both"),
+    (["serve.llm.tokenizer.num_replicas=-1"], "serve.llm.tokenizer.num_replicas", ">= 0"),
+    (["serve.llm.resources.num_replicas=0"], "serve.llm.resources.num_replicas", ">= 1"),
     (["serve.llm.engine_args.tensor_parallel_size=3"], "serve.llm.engine_args.tensor_parallel_size",
      "must divide the model's num_attention_heads=4, got 3"),
     (["serve.llm.engine_args.pipeline_parallel_size=3"],

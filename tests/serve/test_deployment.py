@@ -228,8 +228,9 @@ def test_status_reports_deployments(deployment):
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "healthy" in out and "RUNNING" in out
-    for name in ("ingress", "llm-engine", "llm-tokenizer", "retriever", "metrics"):
+    for name in ("ingress", "llm-engine", "retriever", "metrics"):
         assert re.search(rf"{name}\s+HEALTHY\s+replicas: 1 running", out), out
+    assert "llm-tokenizer" not in out  # tokenizer.num_replicas: 0, the ingress tokenizes
 
 
 def test_stop_leaves_no_process(deployment):

@@ -101,3 +101,69 @@ def test_metrics_render_vllm_names():
     assert 'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 4.0' in text
     assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 1.0' in text
     assert 'vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.5' in text
+
+
+def test_chunks_that_arrive_together_leave_as_one_sse_event():
+    import json
+
+    from flagserve.serve.formatters import ChatFormat, CompletionFormat
+    from flagserve.serve.messages import ChoiceDelta, EngineChunk
+    from flagserve.serve.openai_format import Header
+    from flagserve.serve.streams import batches
+
+    def chunk(text, index=0, finish=None):
+        return EngineChunk([ChoiceDelta(index, text, [ord(c) for c in text], None, finish, None)],
+                           3, 0, finish is not None)
+
+    async def stream(*chunks, pause=False):
+        for c in chunks:
+            if pause:
+                await asyncio.sleep(0.01)  # the consumer catches up between chunks
+            yield c
+
+    def events(sse_texts):
+        return [json.loads(e[len("data: "):]) for e in sse_texts]
+
+    async def main():
+        # Already queued when the consumer looks: one batch, in arrival order.
+        got = [b async for b in batches([stream(chunk("a"), chunk("b"), chunk("c", finish="length"))])]
+        assert [[c.choices[0].text for _, c in b] for b in got] == [["a", "b", "c"]]
+        # Arriving one by one while the consumer waits: one batch each.
+        got = [b async for b in batches([stream(chunk("a"), chunk("b"), pause=True)])]
+        assert len(got) == 2
+
+        fmt = CompletionFormat(Header("cmpl-1", "m"), n=1, logprobs=None)
+        out = events([e async for e in fmt.stream(batches([
+            stream(chunk("ab"), chunk("c", finish="length")),
+            stream(chunk("x"), chunk("yz", finish="stop"))]), include_usage=True)])
+        assert len(out) == 2  # one event for everything queued, then usage
+        assert sorted((c["index"], c["text"], c["finish_reason"]) for c in out[0]["choices"]) == [
+            (0, "abc", "length"), (1, "xyz", "stop")]
+        assert out[1]["usage"]["completion_tokens"] == 6 and out[1]["usage"]["prompt_tokens"] == 6
+
+        chat = ChatFormat(Header("chat-1", "m"), n=2, top_logprobs=None)
+        out = events([e async for e in chat.stream(batches([
+            stream(chunk("he", 0), chunk("hi", 1), chunk("llo", 0, "stop"), chunk("!", 1, "stop"))]),
+            include_usage=False)])
+        assert len(out) == 2  # the role event, then one event for both choices
+        assert {c["index"]: (c["delta"]["content"], c["finish_reason"]) for c in out[1]["choices"]} == {
+            0: ("hello", "stop"), 1: ("hi!", "stop")}
+
+    asyncio.run(main())
+
+
+def test_engine_stream_error_after_a_batch_is_raised():
+    from flagserve.serve.streams import batches
+
+    async def broken():
+        yield 1
+        raise ValueError("engine failed")
+
+    async def main():
+        got = []
+        with pytest.raises(ValueError, match="engine failed"):
+            async for b in batches([broken()]):
+                got.append(b)
+        assert got == [[(0, 1)]]
+
+    asyncio.run(main())
