@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-# Serves conf/serve.yaml (the built-in tiny model, CPU) in the background; see docs/serving.md.
+# Serves conf/serve.yaml (the built-in tiny model, CPU) in the background; see README.md, section Serving.
 serve: venv
 	$(PY) run.py --config-name serve action=run
 	@echo "query it: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\"
