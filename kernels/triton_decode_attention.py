@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_utils import LOG2E, dot_precision, last_dim_contiguous, next_pow2, num_sms
+from kernels.triton_paged_attend import attend_paged
 
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 256  # below this per split, the merge costs more than the parallelism buys
@@ -59,27 +60,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     table = block_tables_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        # Token -> physical block through the block table; works for any block size.
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        k_rows = block * stride_kb + (n % BLOCK_SIZE) * stride_ks
-        v_rows = block * stride_vb + (n % BLOCK_SIZE) * stride_vs
-        if HEAD_DIM != BLOCK_D:  # masking d only when padded keeps the K/V loads vectorised
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-        else:
-            kv_mask = tl.broadcast_to(n_mask[:, None], (BLOCK_N, BLOCK_D))
-        k = tl.load(k_base + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, g, table, k_base, v_base, stride_kb, stride_ks,
+                                 stride_vb, stride_vs, d, start, end, qk_scale,
+                                 "tail", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
 
     acc = acc / l_i[:, None]
     if SINGLE_SPLIT:

@@ -15,37 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_utils import LOG2E, dot_precision, last_dim_contiguous, next_pow2
-
-
-@triton.jit
-def _attend(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks, stride_vb,
-            stride_vs, d, lo, hi, qk_scale,
-            CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online-softmax accumulation over cached positions [lo, hi)."""
-    for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < hi
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        k_rows = block * stride_kb + (n % BLOCK_SIZE) * stride_ks
-        v_rows = block * stride_vb + (n % BLOCK_SIZE) * stride_vs
-        # Masking d only when head_dim is padded keeps the K/V loads vectorised.
-        if HEAD_DIM != BLOCK_D:
-            kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
-        else:
-            kv_mask = tl.broadcast_to(n_mask[:, None], (BLOCK_N, BLOCK_D))
-        k = tl.load(k_base + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if CAUSAL:
-            s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, m_i, l_i
+from kernels.triton_paged_attend import attend_paged
 
 
 @triton.jit(do_not_specialize=["batch"])  # the batch size changes every step
@@ -95,12 +65,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
     first_pos = context + tile * TILE_TOKENS
     last_pos = tl.minimum(first_pos + TILE_TOKENS, seq_len) - 1
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # every row of the tile sees [0, full_end)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks,
-                            stride_vb, stride_vs, d, 0, full_end, qk_scale,
-                            False, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks,
-                            stride_vb, stride_vs, d, full_end, last_pos + 1, qk_scale,
-                            True, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks,
+                                 stride_vb, stride_vs, d, 0, full_end, qk_scale,
+                                 "none", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks,
+                                 stride_vb, stride_vs, d, full_end, last_pos + 1, qk_scale,
+                                 "causal", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=qo_mask)
