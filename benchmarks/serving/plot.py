@@ -69,48 +69,44 @@ def _bars(ax: Any, labels: list[str], values: list[float], colors: list[str], un
     ax.grid(axis="y", alpha=0.3)
 
 
-def plot_baselines(path: str | Path, title: str, baselines: dict[str, Any]) -> Path | None:
-    """Bars for each baseline that ran: serving path cost, prefix caching, continuous batching."""
-    panels = [k for k in ("serving_path", "prefix_caching", "continuous_batching") if k in baselines]
-    if not panels:
-        return None
-    fig, axes = plt.subplots(1, len(panels) + (1 if "serving_path" in panels else 0),
-                             figsize=(4.2 * (len(panels) + 1), 4.2))
-    axes = list(np.atleast_1d(axes))
+def _baseline_panels(baselines: dict[str, Any]) -> list[tuple[str, list[str], list[float], list[str], str]]:
+    """(title, labels, values, colors, unit) of one bar chart per measured comparison."""
+    panels = []
     if "serving_path" in baselines:
         sp = baselines["serving_path"]
-        ax = axes.pop(0)
-        _bars(ax, ["HTTP (Ray Serve)", "in-process engine"],
-              [sp["http"]["ttft"]["median"], sp["engine"]["ttft"]["median"]],
-              [COLORS["http"], COLORS["engine"]], "ms")
-        ax.set_title(f"median TTFT: +{sp['ttft_overhead_ms']:.2f} ms via HTTP")
-        ax.set_ylabel("ms")
-        ax = axes.pop(0)
-        _bars(ax, ["HTTP (Ray Serve)", "in-process engine"],
-              [sp["http"]["itl"]["median"], sp["engine"]["itl"]["median"]],
-              [COLORS["http"], COLORS["engine"]], "ms")
-        ax.set_title(f"median ITL: {sp['itl_overhead_pct']:+.1f}% via HTTP")
-        ax.set_ylabel("ms")
+        for metric, title in (("ttft", f"median TTFT: +{sp['ttft_overhead_ms']:.2f} ms via HTTP"),
+                              ("itl", f"median ITL: {sp['itl_overhead_pct']:+.1f}% via HTTP")):
+            panels.append((title, ["HTTP (Ray Serve)", "in-process engine"],
+                           [sp["http"][metric]["median"], sp["engine"][metric]["median"]],
+                           [COLORS["http"], COLORS["engine"]], "ms"))
     if "prefix_caching" in baselines:
         pc = baselines["prefix_caching"]
-        ax = axes.pop(0)
-        _bars(ax, ["caching on", "caching off"],
-              [pc["on"]["ttft"]["median"], pc["off"]["ttft"]["median"]],
-              [COLORS["on"], COLORS["off"]], "ms")
-        ax.set_title(f"shared prefix, median TTFT: off/on = {pc['ttft_ratio']:.2f}x")
-        ax.set_ylabel("ms")
+        panels.append((f"shared prefix, median TTFT: off/on = {pc['ttft_ratio']:.2f}x",
+                       ["caching on", "caching off"],
+                       [pc["on"]["ttft"]["median"], pc["off"]["ttft"]["median"]],
+                       [COLORS["on"], COLORS["off"]], "ms"))
     if "continuous_batching" in baselines:
         cb = baselines["continuous_batching"]
-        ax = axes.pop(0)
         labels, values, colors = ["FlagServe engine"], [cb["flagserve_output_tps"]], [COLORS["engine"]]
         if cb.get("hf_output_tps"):
             labels.append("HF generate")
             values.append(cb["hf_output_tps"])
             colors.append(COLORS["hf"])
-        _bars(ax, labels, values, colors, "tok/s")
         ratio = f": {cb['ratio']:.2f}x" if cb.get("ratio") else ""
-        ax.set_title(f"offline output throughput{ratio}")
-        ax.set_ylabel("output tokens/s")
+        panels.append((f"offline output throughput{ratio}", labels, values, colors, "tok/s"))
+    return panels
+
+
+def plot_baselines(path: str | Path, title: str, baselines: dict[str, Any]) -> Path | None:
+    """Bars for each baseline that ran: serving path cost, prefix caching, continuous batching."""
+    panels = _baseline_panels(baselines)
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2))
+    for ax, (panel_title, labels, values, colors, unit) in zip(np.atleast_1d(axes), panels):
+        _bars(ax, labels, values, colors, unit)
+        ax.set_title(panel_title)
+        ax.set_ylabel("output tokens/s" if unit == "tok/s" else unit)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     path = Path(path)
