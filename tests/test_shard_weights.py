@@ -80,3 +80,20 @@ def test_tied_lm_head_loads_on_a_later_stage(tiny_model_factory):
     assert last.embed_tokens is None
     assert torch.equal(last.lm_head.weight, full.embed_tokens.weight)
 
+
+
+def test_checkpoint_tensors_read_only_what_a_shard_keeps(tmp_path):
+    from safetensors.torch import save_file
+
+    from flagserve.models.loader import CheckpointTensor, iterate_weights
+
+    full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
+    save_file({"w": full, "b": full[0].clone()}, str(tmp_path / "model.safetensors"))
+    tensors = dict(iterate_weights(tmp_path))
+    w = tensors["w"]
+    assert isinstance(w, CheckpointTensor) and w.shape == (6, 8)
+    assert torch.equal(w.narrow(0, 2, 3), full[2:5])
+    assert torch.equal(w.narrow(1, 4, 4), full[:, 4:8])
+    assert torch.equal(w[4:10], full[4:10])  # clamped like a tensor slice (padded vocab shard)
+    assert torch.equal(w[:], full) and torch.equal(tensors["b"][:], full[0])
+    assert w[7:9].shape == (0, 8)

@@ -22,7 +22,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded)
+        param.data.copy_(loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -86,7 +86,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias is added once, after the reduction
-            param.data.copy_(loaded)
+            param.data.copy_(loaded[:])
             return
         size = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))

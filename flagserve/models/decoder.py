@@ -151,7 +151,9 @@ class DecoderForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...); tensors of other
-        stages are skipped, TP slicing is each parameter's weight_loader."""
+        stages are skipped, TP slicing is each parameter's weight_loader. A tensor may be a
+        torch.Tensor or a loader.CheckpointTensor: loaders read it only through narrow(),
+        a row slice, or [:]."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         first_layer = self.layer_range.start
@@ -178,7 +180,7 @@ class DecoderForCausalLM(nn.Module):
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             if loader is None:
-                param.data.copy_(tensor)
+                param.data.copy_(tensor[:])
             elif shard_id is None:
                 loader(param, tensor)
             else:

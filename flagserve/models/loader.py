@@ -31,14 +31,34 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+class CheckpointTensor:
+    """A safetensors tensor read on demand: a tensor-parallel shard's narrow() or row slice
+    reads only the bytes it keeps, so no rank ever holds a whole tensor it splits."""
+
+    def __init__(self, lazy_slice):
+        self._slice = lazy_slice
+        self.shape = tuple(lazy_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        """Rows [start:stop] along dim 0 (clamped like a tensor's slice), or all with [:]."""
+        start, stop, _ = rows.indices(self.shape[0])
+        return self._slice[start:max(start, stop)]
+
+
 def iterate_weights(model_dir: Path, keep: Callable[[str], bool] = lambda name: True
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every checkpoint tensor `keep` wants; the others are never read."""
+                    ) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(name, lazy tensor) of every checkpoint tensor `keep` wants; the others are never read.
+    A weight loader reads a tensor with narrow(), a row slice, or [:] for all of it."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if keep(name):
-                    yield name, f.get_tensor(name)
+                    yield name, CheckpointTensor(f.get_slice(name))
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, ops: KernelOps, dtype: torch.dtype,
