@@ -197,7 +197,7 @@ class ModelRunner:
         if not step.sample_indices:
             self.forward_seconds += time.perf_counter() - start
             return None
-        logits = self.model.compute_logits(hidden[prepared.logits_indices])  # every TP rank
+        logits = self.model.compute_logits(hidden[prepared.logits_indices])  # None off TP rank 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward
         self.forward_seconds += time.perf_counter() - start

@@ -31,11 +31,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> fp32 logits [N, vocab_size] (full vocabulary on every rank)."""
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> fp32 logits [N, vocab_size] on TP rank 0, the rank that samples;
+        None on the other ranks (gathering the vocabulary anywhere else is wasted traffic)."""
         logits = F.linear(hidden, self.weight).float()
         if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.all_gather(parts, logits, group=self.tp_group)
+            dst = dist.get_global_rank(self.tp_group, 0)
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+            dist.gather(logits, parts, dst=dst, group=self.tp_group)
+            if parts is None:
+                return None
             logits = torch.cat(parts, dim=-1)
         return logits[:, :self.vocab_size]

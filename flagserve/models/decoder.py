@@ -131,7 +131,7 @@ class DecoderForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden, None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
