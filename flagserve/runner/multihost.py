@@ -54,7 +54,6 @@ def run(config: Config, hosts: list[Host]) -> int:
         return 1
     paths.make()
     clear(paths)
-    paths.ray_token.unlink(missing_ok=True)  # a fresh token per run
     ray_auth_env(paths.ray_token)
     token = paths.ray_token.read_bytes()
     for module_id, module in config.llms.items():

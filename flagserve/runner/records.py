@@ -123,5 +123,6 @@ def load_hosts(paths: ExpPaths) -> list[HostRecord]:
 
 
 def clear(paths: ExpPaths) -> None:
-    for path in (paths.processes, paths.ray, paths.hosts):
+    """Forget a run: its records, and its Ray token (the next run gets a fresh one)."""
+    for path in (paths.processes, paths.ray, paths.hosts, paths.ray_token):
         path.unlink(missing_ok=True)
