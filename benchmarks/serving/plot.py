@@ -50,6 +50,10 @@ def plot_run(path: str | Path, title: str, runs: dict[str, tuple[list[RequestRes
     ax_tp.set_title("throughput over time")
     ax_tp.grid(alpha=0.3)
     ax_tp.legend(fontsize=8)
+    return _save(fig, title, path)
+
+
+def _save(fig: Any, title: str, path: str | Path) -> Path:
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     path = Path(path)
@@ -107,12 +111,7 @@ def plot_baselines(path: str | Path, title: str, baselines: dict[str, Any]) -> P
         _bars(ax, labels, values, colors, unit)
         ax.set_title(panel_title)
         ax.set_ylabel("output tokens/s" if unit == "tok/s" else unit)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, title, path)
 
 
 def plot_sweep(path: str | Path, title: str, labels: list[str],
@@ -136,10 +135,4 @@ def plot_sweep(path: str | Path, title: str, labels: list[str],
     ax_lat.set_title("latency")
     ax_lat.grid(alpha=0.3)
     ax_lat.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, title, path)
