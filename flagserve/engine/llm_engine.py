@@ -68,7 +68,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.executor.num_kv_blocks, args.block_size,
                                           args.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, batched, self.max_model_len, args.enable_chunked_prefill),
+            SchedulerConfig(args.max_num_seqs, batched, args.enable_chunked_prefill),
             self.block_manager)
         self.requests: dict[str, RequestState] = {}
         self._prompt_tokens = 0

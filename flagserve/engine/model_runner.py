@@ -120,7 +120,6 @@ class ModelRunner:
         tables = [t + [0] * (max_blocks - len(t)) for t in step.block_tables]
         dev = self.device
         meta = AttentionMetadata(
-            num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),

@@ -16,7 +16,6 @@ from flagserve.engine.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
     enable_chunked_prefill: bool
 
 

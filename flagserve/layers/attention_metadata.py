@@ -7,8 +7,7 @@ import torch
 @dataclass
 class AttentionMetadata:
     # Sequences with exactly one new token come first ("decodes"), then prefill chunks.
-    num_decodes: int
-    num_decode_tokens: int  # == num_decodes
+    num_decode_tokens: int  # the decodes: one new token each, the first rows of the batch
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token, -1 = padding
     seq_lens: torch.Tensor  # [batch] int32: tokens in the cache after this step
     block_tables: torch.Tensor  # [batch, max_blocks] int32
