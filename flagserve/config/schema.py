@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ACTIONS = ("run", "stop", "status", "test", "plan", "bench")
+INGRESS_MODES = ("auto", "engine", "separate")
+HTTP_SERVER_MODES = ("auto", "replicas", "serve_proxy")
+ENGINE_CORE_MODES = ("auto", "process", "thread")
 ENGINES = ("flagserve",)
 API_KEY_ENV = "FLAGSERVE_API_KEY"  # like vLLM's VLLM_API_KEY
 # Fields of engine_args that describe placement rather than one engine process: the engine
@@ -23,7 +26,17 @@ class DeployConfig:
     port: int = 8000
     api_key: str | None = None  # or $FLAGSERVE_API_KEY; every route but /health needs it
     startup_timeout_s: float = 600.0  # `run` waits this long for /health
-    ingress_replicas: int = 1  # replicas of the HTTP ingress deployment
+    # Where the OpenAI HTTP server runs. engine: in every replica of the (one) LLM module's
+    # engine, no Ray hop between them; separate: an `ingress` deployment of its own, calling
+    # the engine deployments; auto: engine when the graph has one LLM module and
+    # ingress_replicas is 1, else separate.
+    ingress: str = "auto"
+    ingress_replicas: int = 1  # replicas of a separate ingress deployment
+    # How HTTP reaches the ingress. replicas: every ingress replica listens on host:port
+    # itself (SO_REUSEPORT; the kernel spreads connections), no proxy hop; serve_proxy: Ray
+    # Serve's HTTP proxy on the head routes to the replicas (any host, autoscaling); auto:
+    # replicas on one host without autoscaling, else serve_proxy.
+    http_server: str = "auto"
     use_fs_serve: bool = False  # accepted from FlagScale configs; FlagServe always uses Ray Serve
 
 
@@ -137,6 +150,17 @@ class LLMModule:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tokenizer: TokenizerResources = field(default_factory=TokenizerResources)
     depends: list[str] = field(default_factory=list)  # user modules that preprocess requests
+    # Where each replica's step loop runs. process: a child process holding the model (vLLM
+    # V1's EngineCore; no GIL shared with the replica's HTTP and Ray Serve work); thread: a
+    # thread of the replica; auto: process, or thread with TP x PP > 1 (the replica drives
+    # the shard workers itself).
+    engine_core: str = "auto"
+
+    @property
+    def engine_core_mode(self) -> str:
+        if self.engine_core != "auto":
+            return self.engine_core
+        return "thread" if self.world_size > 1 else "process"
 
     @property
     def tokenizer_deployment(self) -> bool:

@@ -12,8 +12,10 @@ from pathlib import Path
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
-from flagserve.config.schema import (ACTIONS, ENGINES, KNOWN_HOSTS_POLICIES, PARALLEL_ARGS, Config,
-                                     LLMModule, ResourcesConfig, UserModule)
+from flagserve.config.schema import (ACTIONS, ENGINE_CORE_MODES, ENGINES, HTTP_SERVER_MODES,
+                                     INGRESS_MODES, KNOWN_HOSTS_POLICIES,
+                                     PARALLEL_ARGS, Config, LLMModule, ResourcesConfig,
+                                     UserModule)
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.models.config import load_model_config
 
@@ -46,6 +48,20 @@ def validate_experiment(config: Config) -> None:
                           "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
     if deploy.startup_timeout_s <= 0:
         raise ConfigError("experiment.runner.deploy.startup_timeout_s", "must be > 0", "e.g. 600")
+    if deploy.ingress not in INGRESS_MODES:
+        raise ConfigError("experiment.runner.deploy.ingress", f"unknown mode {deploy.ingress!r}",
+                          f"use one of: {', '.join(INGRESS_MODES)}")
+    if deploy.http_server not in HTTP_SERVER_MODES:
+        raise ConfigError("experiment.runner.deploy.http_server", f"unknown mode {deploy.http_server!r}",
+                          f"use one of: {', '.join(HTTP_SERVER_MODES)}")
+    if deploy.http_server == "replicas" and exp.runner.hostfile:
+        raise ConfigError("experiment.runner.deploy.http_server",
+                          "`replicas` serves HTTP on the host of each replica; with a hostfile "
+                          "the endpoint is Ray Serve's proxy on the head",
+                          "set experiment.runner.deploy.http_server=auto (or serve_proxy)")
+    if deploy.ingress_replicas < 1:
+        raise ConfigError("experiment.runner.deploy.ingress_replicas",
+                          f"must be >= 1, got {deploy.ingress_replicas}", "e.g. 1")
     runner = exp.runner
     for key, port in (("ssh_port", runner.ssh_port), ("ray_port", runner.ray_port)):
         if not 1 <= port <= 65535:
@@ -88,7 +104,54 @@ def validate_graph(config: Config, hosts: list[Host]) -> None:
             _check_user_module(module_id, module)
         _check_resources(f"serve.{module_id}.resources", module.resources)
     _check_depends(config)
+    _check_ingress(config)
     _check_devices(config, hosts)
+
+
+def ingress_in_engine(config: Config) -> str | None:
+    """The LLM module whose engine replicas also serve HTTP (deploy.ingress), or None."""
+    deploy = config.deploy
+    if deploy.ingress == "separate" or len(config.llms) != 1:
+        return None
+    if deploy.ingress == "auto" and deploy.ingress_replicas != 1:
+        return None
+    return next(iter(config.llms))
+
+
+def _ingress_autoscales(config: Config) -> bool:
+    local = ingress_in_engine(config)
+    return local is not None and config.llms[local].resources.autoscaling
+
+
+def direct_http(config: Config) -> bool:
+    """Whether the ingress replicas serve HTTP themselves (deploy.http_server), not Serve's proxy."""
+    mode = config.deploy.http_server
+    if mode != "auto":
+        return mode == "replicas"
+    return not config.experiment.runner.hostfile and not _ingress_autoscales(config)
+
+
+def _check_ingress(config: Config) -> None:
+    deploy = config.deploy
+    if deploy.http_server == "replicas" and _ingress_autoscales(config):
+        raise ConfigError("experiment.runner.deploy.http_server",
+                          "`replicas` bypasses Ray Serve's proxy, whose request counts drive "
+                          "autoscaling",
+                          "set experiment.runner.deploy.http_server=serve_proxy (or auto), or a "
+                          "fixed num_replicas")
+    if deploy.ingress != "engine":
+        return
+    if len(config.llms) != 1:
+        raise ConfigError("experiment.runner.deploy.ingress",
+                          f"`engine` needs exactly one LLM module, the graph has {len(config.llms)}",
+                          "set experiment.runner.deploy.ingress=separate (or auto) to route "
+                          "between models")
+    if deploy.ingress_replicas != 1:
+        raise ConfigError("experiment.runner.deploy.ingress_replicas",
+                          "applies to a separate ingress; with ingress=engine every engine "
+                          "replica serves HTTP",
+                          f"scale serve.{next(iter(config.llms))}.resources.num_replicas instead, "
+                          "or set experiment.runner.deploy.ingress=separate")
 
 
 def served_names(module_id: str, module: LLMModule) -> list[str]:
@@ -109,6 +172,9 @@ def _check_llm(module_id: str, module: LLMModule) -> None:
     if module.engine not in ENGINES:
         raise ConfigError(f"{path}.engine", f"engine {module.engine!r} is not available",
                           f"set {path}.engine=flagserve (FlagServe runs its own engine)")
+    if module.engine_core not in ENGINE_CORE_MODES:
+        raise ConfigError(f"{path}.engine_core", f"unknown mode {module.engine_core!r}",
+                          f"use one of: {', '.join(ENGINE_CORE_MODES)}")
     if module.tiny_model is not None and module.tiny_model not in TINY_ARCHS:
         raise ConfigError(f"{path}.tiny_model", f"unknown tiny model {module.tiny_model!r}",
                           f"use one of {', '.join(TINY_ARCHS)}, or null")
@@ -140,6 +206,10 @@ def _check_llm(module_id: str, module: LLMModule) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{path}.engine_args.{name}", f"must be an integer >= 1, got {value!r}",
                               f"set {path}.engine_args.{name}=1")
+    if module.engine_core == "process" and module.world_size > 1:
+        raise ConfigError(f"{path}.engine_core", "`process` needs TP = PP = 1: with shard "
+                          "workers the replica drives them from its own step thread",
+                          f"set {path}.engine_core=auto (or thread)")
     try:
         engine_args_for(module).check_parallelism(model_cfg)
     except (ValueError, TypeError) as err:

@@ -1,9 +1,20 @@
 """The serving graph: config modules -> Ray Serve deployments, wired by `depends`.
 
+deploy.ingress = engine (the default with one LLM module): every engine replica serves HTTP
+
+    <id>-engine (OpenAI API, tokenizes, engine in process) -> [user modules, dependencies first]
+                                                          (-> shard workers, TP x PP)
+
+deploy.ingress = separate (several LLM modules, or ingress_replicas > 1):
+
     ingress (OpenAI API, tokenizes) -> [user modules of the model, dependencies first]
                                     -> <id>-engine (-> shard workers, TP x PP)
-    (with tokenizer.num_replicas > 0, the ingress asks <id>-tokenizer instead of tokenizing)
-    <id>-engine -> metrics (one replica; /metrics renders every engine replica)
+
+HTTP reaches the ingress replicas straight (deploy.http_server = replicas, the default on one
+host: each listens on host:port) or through Ray Serve's proxy on the head (serve_proxy).
+Either way: with tokenizer.num_replicas > 0 the ingress asks <id>-tokenizer instead of
+tokenizing, and every engine replica pushes its metrics to `metrics` (one replica), which
+/metrics renders.
 """
 from __future__ import annotations
 
@@ -13,8 +24,10 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from flagserve.config.schema import Config, LLMModule, ResourcesConfig
-from flagserve.config.validate import engine_args_for, served_names, uses_gpu
+from flagserve.config.validate import (direct_http, engine_args_for, ingress_in_engine,
+                                       served_names, uses_gpu)
 from flagserve.config.hostfile import Host
+from flagserve.serve.engine_client import LocalEngineSpec
 from flagserve.serve.engine_deployment import EngineDeployment
 from flagserve.serve.ingress import ModelRoute, OpenAIIngress
 from flagserve.serve.metrics_hub import MetricsHub
@@ -77,6 +90,7 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
             name=mid, **deployment_options(m.resources, num_cpus=0)
         ).bind(mid, m.module, m.name, m.init_args)
         for mid, m in config.user_modules.items()}
+    local = ingress_in_engine(config)
     routes = []
     for mid, module in config.llms.items():
         names = served_names(mid, module)
@@ -87,13 +101,20 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
                 name=f"{mid}-tokenizer", **deployment_options(module.tokenizer, num_cpus=0)
             ).bind(tokenizer_path)
         engine_args = engine_args_for(module).to_dict()  # placement fields stay here
-        engine = serve.deployment(EngineDeployment).options(
-            name=f"{mid}-engine", **engine_options(module, hosts)
-        ).bind(mid, names[0], engine_args, hub)
+        if mid == local:
+            engine = LocalEngineSpec(mid, names[0], engine_args, module.engine_core_mode)
+        else:
+            engine = serve.deployment(EngineDeployment).options(
+                name=f"{mid}-engine", **engine_options(module, hosts)
+            ).bind(mid, names[0], engine_args, hub, module.engine_core_mode)
         routes.append(ModelRoute(mid, names, engine, tokenizer_path, tokenizer,
                                  [(d, users[d]) for d in dependency_order(config, mid)]))
-    deploy = config.deploy
-    return serve.deployment(OpenAIIngress).options(
-        name="ingress", num_replicas=deploy.ingress_replicas, max_ongoing_requests=4096,
-        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
-    ).bind(routes, config.api_key, hub)
+    if local is not None:
+        options = {"name": f"{local}-engine", **engine_options(config.llms[local], hosts)}
+    else:
+        options = {"name": "ingress", "num_replicas": config.deploy.ingress_replicas,
+                   "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": 0},
+                   "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S}
+    listen = (config.deploy.host, config.deploy.port) if direct_http(config) else None
+    return serve.deployment(serve.ingress()(OpenAIIngress)).options(**options).bind(
+        routes, config.api_key, hub, listen)

@@ -7,10 +7,12 @@ Ray Serve hop and a busy ingress receives fewer, larger chunks instead of fallin
 Non-streaming requests get exactly one item. Cancelling the call (client disconnect)
 aborts the request and frees its KV blocks.
 
-With TP x PP > 1 the replica only schedules: LLMEngine's RayExecutor starts the shard
-workers (Ray actors in this replica's own placement group, one per device) and drives them
-with one message per step; they die with the replica. With TP = PP = 1 the model runs in
-this process.
+Where the step loop runs (serve.<id>.engine_core): `process` (the default with TP = PP = 1),
+a child process of the replica that holds the model (engine_core.py), so that the steps and
+this replica's event loop never wait for each other's GIL; `thread` (the default with
+TP x PP > 1), a thread of the replica. With TP x PP > 1 the replica only schedules:
+LLMEngine's RayExecutor starts the shard workers (Ray actors in this replica's own placement
+group, one per device) and drives them with one message per step; they die with the replica.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from ray import serve
 
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.outputs import RequestOutput
-from flagserve.serve.engine_loop import AsyncEngine, merge_deltas
+from flagserve.serve.engine_loop import AsyncEngine, EngineCore, EngineThread, merge_deltas
 from flagserve.serve.messages import ChoiceDelta, EngineChunk, EngineRequest, ModelInfo
 from flagserve.serve.metrics import EngineMetrics
 
@@ -35,15 +37,13 @@ HEARTBEAT_S = 10.0
 
 class EngineDeployment:
     def __init__(self, module_id: str, model_name: str, engine_args: dict[str, Any],
-                 metrics_hub: Any = None):
-        from flagserve.engine.llm_engine import LLMEngine  # heavy: torch, the model
-
+                 metrics_hub: Any = None, engine_core: str = "thread"):
         self.args = EngineArgs(**engine_args)
-        self.engine = LLMEngine(self.args)
+        core = make_core(self.args, engine_core)
         self.metrics = EngineMetrics()
-        self.async_engine = AsyncEngine(self.engine, on_step=self.metrics.on_step)
-        self.info_ = ModelInfo(module_id, model_name, self.args.model, self.engine.max_model_len,
-                               self.engine.model_config.vocab_size)
+        self.async_engine = AsyncEngine(core, on_step=self.metrics.on_step)
+        self.info_ = ModelInfo(module_id, model_name, self.args.model, core.max_model_len,
+                               core.vocab_size)
         self.metrics_hub = metrics_hub
         try:
             self.replica = serve.get_replica_context().replica_id.unique_id
@@ -106,7 +106,15 @@ class EngineDeployment:
         engine = getattr(self, "async_engine", None)
         if engine is not None:
             engine.shutdown()
-            self.engine.shutdown()  # the shard workers and their placement group
+
+
+def make_core(args: EngineArgs, where: str) -> EngineCore:
+    """The step loop in a child process (`process`) or on a thread of this one (`thread`)."""
+    if where == "process":
+        from flagserve.serve.engine_core import EngineProcess
+        return EngineProcess(args)
+    from flagserve.engine.llm_engine import LLMEngine  # heavy: torch, the model
+    return EngineThread(LLMEngine(args))
 
 
 def _chunk(out: RequestOutput) -> EngineChunk:

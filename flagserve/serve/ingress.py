@@ -1,14 +1,16 @@
-"""The OpenAI-compatible HTTP ingress (FastAPI on Ray Serve).
+"""The OpenAI-compatible server: request handling behind the routes of api.py.
 
 Per request: authorize, validate, route by `model`, run the model's user modules, tokenize
-(here, or in the tokenizer deployment when the config asks for one), then one streaming call
-to the engine deployment; what the engine streams back is written as SSE events, one per
-batch of chunks that arrived together (streams.batches). Responses follow vLLM's OpenAI
-server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+(here, or in the tokenizer deployment when the config asks for one), then one stream from the
+engine: in this process when the engine lives here (deploy.ingress: engine), else one
+streaming call to the engine deployment (engine_client.py). What the engine streams back is
+written as SSE events, one per batch of chunks that arrived together (streams.batches).
+Responses follow vLLM's OpenAI server: /v1/completions, /v1/chat/completions, /v1/models,
+/health, /metrics.
 
-Helpers live in other modules: @serve.ingress copies the methods with the module globals
-of the moment the class is defined, so names defined below the class would be missing.
-No `from __future__ import annotations` either: FastAPI must see the real Request type.
+HTTP reaches it one of two ways (deploy.http_server): through Ray Serve's proxy, which calls
+the ASGI app that __serve_build_asgi_app__ returns, or straight from the client, when every
+replica listens on deploy.host:port itself (http_server.py).
 """
 
 import asyncio
@@ -24,8 +26,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
-from ray import serve
 
+from flagserve.serve.api import build_api
+
+from flagserve.serve.engine_client import EngineClient, LocalEngine, engine_client
+from flagserve.serve.http_server import DirectHTTPServer
 from flagserve.serve.formatters import ChatFormat, CompletionFormat, sse_response
 from flagserve.serve.messages import EngineChunk, EngineRequest, ModelInfo
 from flagserve.serve.openai_format import Header, OpenAIError, error_message
@@ -37,41 +42,46 @@ log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 HEALTH_TIMEOUT_S = 10.0
 
-app = FastAPI(title="FlagServe", docs_url="/docs", redoc_url=None)
-
-
-@app.exception_handler(OpenAIError)
-async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-@app.exception_handler(Exception)
-async def _internal_error(_: Request, err: Exception) -> JSONResponse:
-    log.exception("request failed")
-    return JSONResponse(OpenAIError(500, f"internal error: {err!r}").body(), status_code=500)
-
-
 @dataclass
 class ModelRoute:
     module_id: str
     names: list[str]  # values of `model` that select this module
-    engine: Any  # DeploymentHandle of the engine deployment
+    engine: Any  # DeploymentHandle of the engine deployment, or a LocalEngineSpec: build it here
     tokenizer_path: str
     tokenizer: Any  # DeploymentHandle of the tokenizer deployment; None: tokenize here
     preprocessors: list[tuple[str, Any]]  # user modules, dependencies first
 
 
-@serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, routes: list[ModelRoute], api_key: str | None, metrics_hub: Any):
+    def __init__(self, routes: list[ModelRoute], api_key: str | None, metrics_hub: Any,
+                 listen: tuple[str, int] | None = None):
         self.routes = routes
         self.by_name = {name: r for r in routes for name in [*r.names, r.module_id]}
         self.api_key = api_key
         self.metrics_hub = metrics_hub
         self.infos: dict[str, ModelInfo] = {}
+        self.engines: dict[str, EngineClient] = {r.module_id: engine_client(r.engine, metrics_hub)
+                                                 for r in routes}
         # In-process tokenizers (no Ray Serve hop before the engine call).
         self.tokenizers = {r.module_id: PromptTokenizer(r.tokenizer_path)
                            for r in routes if r.tokenizer is None}
+        # Bound now, so that a taken port fails the replica's start with a clear error.
+        self.http = DirectHTTPServer(*listen) if listen else None
+
+    async def __serve_build_asgi_app__(self) -> FastAPI:
+        """Ray Serve calls this once the replica is constructed, on its event loop."""
+        app = build_api(self)
+        if self.http is not None:
+            self.http.start(app)
+        return app
+
+    async def __del__(self) -> None:
+        """Ray Serve calls this when it stops the replica."""
+        if self.http is not None:
+            await self.http.stop()
+        for engine in self.engines.values():
+            if isinstance(engine, LocalEngine):
+                engine.shutdown()
 
     # plumbing
 
@@ -84,7 +94,7 @@ class OpenAIIngress:
 
     async def _info(self, route: ModelRoute) -> ModelInfo:
         if route.module_id not in self.infos:
-            self.infos[route.module_id] = await route.engine.info.remote()
+            self.infos[route.module_id] = await self.engines[route.module_id].info()
         return self.infos[route.module_id]
 
     def _route(self, model: str | None) -> ModelRoute:
@@ -170,9 +180,9 @@ class OpenAIIngress:
                      ) -> AsyncIterator[list[tuple[int, EngineChunk]]]:
         """Start one engine stream per prompt; the first batch is fetched before returning so
         that engine-side validation errors become HTTP 400 instead of a broken stream."""
-        handle = route.engine.options(stream=True)
-        gens = [handle.generate.remote(r) for r in requests]
-        merged = cancel_on_close(batches(gens), gens)
+        engine = self.engines[route.module_id]
+        gens = [engine.generate(r) for r in requests]
+        merged = cancel_on_close(batches(gens), [lambda g=g: engine.cancel(g) for g in gens])
         try:
             first = await merged.__anext__()
         except ValueError as err:
@@ -183,18 +193,25 @@ class OpenAIIngress:
             raise
         return prepend(first, merged)
 
+    async def check_health(self) -> None:
+        """Ray Serve calls this periodically; an engine that lives here and died, or the HTTP
+        server of this replica, fails it, and Serve restarts the replica."""
+        if self.http is not None and self.http.task is not None and not self.http.alive:
+            raise RuntimeError(f"the HTTP server on {self.http.host}:{self.http.port} stopped")
+        for engine in self.engines.values():
+            if isinstance(engine, LocalEngine):
+                await engine.check_health()
+
     # routes
 
-    @app.get("/health")
     async def health(self) -> Response:
         try:
             alive = await asyncio.wait_for(
-                asyncio.gather(*(r.engine.ping.remote() for r in self.routes)), HEALTH_TIMEOUT_S)
+                asyncio.gather(*(e.ping() for e in self.engines.values())), HEALTH_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - any failure is "unhealthy"
             alive = [False]
         return Response(status_code=200 if all(alive) else 503)
 
-    @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
         data = []
@@ -206,13 +223,11 @@ class OpenAIIngress:
                              "max_model_len": info.max_model_len})
         return JSONResponse({"object": "list", "data": data})
 
-    @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
         self._authorize(request)
         text = await self.metrics_hub.render.remote()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         req, route, info = await self._prepare(request, CompletionRequest)
         if req.echo or req.suffix or (req.best_of not in (None, req.n)) or req.logit_bias:
@@ -242,7 +257,6 @@ class OpenAIIngress:
             return sse_response(fmt.stream(stream, include_usage))
         return JSONResponse(await fmt.full(stream))
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         req, route, info = await self._prepare(request, ChatCompletionRequest)
         if req.tools or req.logit_bias:

@@ -25,6 +25,7 @@ import yaml
 
 from flagserve.config import parse_config
 from flagserve.config.hostfile import Host, local_host
+from flagserve.config.validate import direct_http
 from flagserve.runner.records import ExpPaths, RayRecord, save_ray
 from flagserve.serve.ray_env import SERVE_ENV
 
@@ -81,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             _link_ray_logs(paths, Path(session_dir) / "logs")
             save_ray(paths, RayRecord(ray.get_runtime_context().gcs_address, config.namespace,
                                       config.experiment.exp_name, session_dir, endpoint))
+        # With deploy.http_server = replicas the ingress replicas listen on the port
+        # themselves; Serve starts no proxy.
         serve.start(http_options={"host": deploy.host, "port": deploy.port},
-                    proxy_location="HeadOnly")
+                    proxy_location="Disabled" if direct_http(config) else "HeadOnly")
         serve.run(build_app(config, hosts), name=config.experiment.exp_name, route_prefix="/")
         log.info("serving %s at %s", config.experiment.exp_name, endpoint)
         while not stop.wait(1.0):

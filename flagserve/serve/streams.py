@@ -7,7 +7,7 @@ work per token all the way to the client."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 _DONE = object()
@@ -54,17 +54,19 @@ async def batches(streams: list[Any]) -> AsyncIterator[list[tuple[int, Any]]]:
             task.cancel()
 
 
-async def cancel_on_close(stream: AsyncIterator, gens: list[Any]) -> AsyncIterator:
-    """Closing early (client disconnect) cancels the engine calls: the engine aborts them."""
+async def cancel_on_close(stream: AsyncIterator, cancels: list[Callable[[], None]]) -> AsyncIterator:
+    """Closing early (client disconnect) closes `stream` and cancels the engine calls: the
+    engine aborts them."""
     done = False
     try:
         async for item in stream:
             yield item
         done = True
     finally:
+        await stream.aclose()
         if not done:
-            for gen in gens:
-                gen.cancel()
+            for cancel in cancels:
+                cancel()
 
 
 async def prepend(first: Any, rest: AsyncIterator) -> AsyncIterator:

@@ -32,6 +32,7 @@ class Deployment:
     exp_dir: Path
     args: list[str]  # run.py arguments selecting this experiment (no action)
     run_output: str
+    path: str  # a key of PATHS
 
     def run_py(self, action: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return run_py(*self.args, *extra, f"action={action}", timeout=timeout)
@@ -45,8 +46,19 @@ def kill_recorded(exp_dir: Path) -> None:
         terminate(record, grace_s=5)
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory) -> Deployment:
+# The two ends of the serving path: the default (the ingress in the engine replica, which
+# listens on the port itself and runs its engine in a child process) and the classic one
+# (Ray Serve's proxy -> a separate ingress deployment -> the engine deployment, whose step
+# loop is a thread).
+PATHS = {
+    "direct": [],
+    "proxied": ["experiment.runner.deploy.ingress=separate",
+                "experiment.runner.deploy.http_server=serve_proxy", "serve.llm.engine_core=thread"],
+}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def deployment(request, tmp_path_factory) -> Deployment:
     exp_dir = tmp_path_factory.mktemp("exp")
     port = free_port()
     args = [
@@ -59,11 +71,12 @@ def deployment(tmp_path_factory) -> Deployment:
         # A user module composed from the command line, preprocessing the LLM's requests.
         "+serve.retriever.module=examples/custom_graph/retriever.py",
         "+serve.retriever.name=Retriever", "serve.llm.depends=[retriever]",
+        *PATHS[request.param],
     ]
     try:
         result = run_py(*args, "action=run", timeout=600)
         assert result.returncode == 0, f"run failed:\n{result.stdout}\n{result.stderr}"
-        yield Deployment(f"http://127.0.0.1:{port}", exp_dir, args, result.stdout)
+        yield Deployment(f"http://127.0.0.1:{port}", exp_dir, args, result.stdout, request.param)
     finally:
         stop = run_py(*args, "action=stop", timeout=120)
         if stop.returncode != 0:

@@ -44,6 +44,31 @@ def test_default_config_plans(capsys):
     assert "llm-tokenizer" not in out  # tokenized in the ingress unless asked for
 
 
+def test_ingress_and_http_server_modes():
+    from flagserve.config import parse_config
+    from flagserve.config.validate import direct_http, ingress_in_engine
+
+    def resolved(*overrides):
+        from omegaconf import OmegaConf
+        config, _ = parse_config(OmegaConf.to_container(composed(*overrides), resolve=True))
+        return ingress_in_engine(config), direct_http(config)
+
+    assert resolved() == ("llm", True)  # the default: one LLM, one host
+    assert resolved("experiment.runner.deploy.ingress_replicas=2") == (None, True)
+    assert resolved("experiment.runner.deploy.ingress=separate") == (None, True)
+    assert resolved("experiment.runner.deploy.http_server=serve_proxy") == ("llm", False)
+    # Autoscaling needs Serve's request counts, so auto picks the proxy.
+    assert resolved("serve.llm.resources.min_replicas=1", "serve.llm.resources.max_replicas=2") == ("llm", False)
+    assert resolved("+serve.other.engine_args.model=x", "+serve.other.model_name=o") == (None, True)
+
+
+def test_engine_ingress_needs_one_llm(capsys):
+    code, _, err = run(capsys, "experiment.runner.deploy.ingress=engine",
+                       "+serve.other.tiny_model=qwen2", "+serve.other.model_name=other")
+    assert code == EXIT_CONFIG and "`experiment.runner.deploy.ingress`" in err
+    assert "exactly one LLM module" in err
+
+
 def test_tokenizer_deployment_is_optional(capsys):
     code, out, err = run(capsys, "serve.llm.tokenizer.num_replicas=2")
     assert code == 0, err
@@ -69,6 +94,17 @@ def test_tokenizer_deployment_is_optional(capsys):
      "must divide the model's num_attention_heads=4, got 3"),
     (["serve.llm.engine_args.pipeline_parallel_size=3"],
      "serve.llm.engine_args.pipeline_parallel_size", "at most the model's 2 layers"),
+    (["experiment.runner.deploy.ingress=router"], "experiment.runner.deploy.ingress",
+     "auto, engine, separate"),
+    (["experiment.runner.deploy.http_server=nginx"], "experiment.runner.deploy.http_server",
+     "auto, replicas, serve_proxy"),
+    (["experiment.runner.deploy.ingress=engine", "experiment.runner.deploy.ingress_replicas=2"],
+     "experiment.runner.deploy.ingress_replicas", "resources.num_replicas"),
+    (["experiment.runner.deploy.http_server=replicas", "serve.llm.resources.min_replicas=1",
+      "serve.llm.resources.max_replicas=2"], "experiment.runner.deploy.http_server", "autoscaling"),
+    (["serve.llm.engine_core=fork"], "serve.llm.engine_core", "auto, process, thread"),
+    (["serve.llm.engine_core=process", "serve.llm.engine_args.tensor_parallel_size=2"],
+     "serve.llm.engine_core", "TP = PP = 1"),
 ])
 def test_bad_config(capsys, overrides, key, words):
     code, out, err = run(capsys, *overrides)

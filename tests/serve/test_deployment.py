@@ -228,7 +228,12 @@ def test_status_reports_deployments(deployment):
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "healthy" in out and "RUNNING" in out
-    for name in ("ingress", "llm-engine", "retriever", "metrics"):
+    names = ["llm-engine", "retriever", "metrics"]
+    if deployment.path == "proxied":
+        names.append("ingress")
+    else:  # the engine replica is the ingress
+        assert not re.search(r"^\s+ingress\s", out, re.M), out
+    for name in names:
         assert re.search(rf"{name}\s+HEALTHY\s+replicas: 1 running", out), out
     assert "llm-tokenizer" not in out  # tokenizer.num_replicas: 0, the ingress tokenizes
 
@@ -237,7 +242,10 @@ def test_stop_leaves_no_process(deployment):
     from flagserve.runner.launcher import session_members
     from flagserve.runner.records import ExpPaths, load_processes
     records = load_processes(ExpPaths(deployment.exp_dir))
-    assert records and session_members(records[0])  # the server and its Ray processes
+    members = session_members(records[0]) if records else []
+    assert members  # the server and its Ray processes
+    cores = [p for p in members if "flagserve.serve.engine_core" in " ".join(p.cmdline())]
+    assert len(cores) == (1 if deployment.path == "direct" else 0)  # engine_core: auto / thread
     result = deployment.run_py("stop")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no process left" in result.stdout

@@ -9,7 +9,7 @@ import pytest
 from flagserve.config.hostfile import HostfileError, parse_hostfile
 from flagserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from flagserve.engine.stats import EngineStats
-from flagserve.serve.engine_loop import AsyncEngine
+from flagserve.serve.engine_loop import AsyncEngine, EngineThread
 from flagserve.serve.metrics import EngineMetrics, render
 
 
@@ -29,10 +29,18 @@ def test_hostfile(tmp_path):
 class FakeEngine:
     """Emits one token per step per request, like LLMEngine with DELTA outputs."""
 
+    max_model_len = 64
+
+    class model_config:  # noqa: N801 - LLMEngine's attribute
+        vocab_size = 100
+
     def __init__(self, steps: int = 5):
         self.requests: dict[str, int] = {}
         self.aborted: list[str] = []
         self.steps = steps
+
+    def shutdown(self):
+        pass
 
     def add_request(self, rid, prompt, params, arrival_time=None):
         if not prompt:
@@ -65,7 +73,7 @@ class FakeEngine:
 def test_async_engine_streams_errors_and_aborts():
     from flagserve.engine.sampling_params import SamplingParams
     fake = FakeEngine()
-    engine = AsyncEngine(fake)
+    engine = AsyncEngine(EngineThread(fake))
 
     async def main():
         texts = await asyncio.gather(*(collect(f"r{i}") for i in range(4)))

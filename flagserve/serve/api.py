@@ -1,0 +1,50 @@
+"""The OpenAI API's routes over an OpenAIIngress (ingress.py), as one FastAPI app.
+
+Built per replica, after the ingress is constructed: Ray Serve's proxy calls it, and so does
+the replica's own HTTP server when it listens directly (http_server.py).
+No `from __future__ import annotations`: FastAPI must see the real Request type.
+"""
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from flagserve.serve.openai_format import OpenAIError
+
+log = logging.getLogger(__name__)
+
+
+def build_api(ingress: Any) -> FastAPI:
+    app = FastAPI(title="FlagServe", docs_url="/docs", redoc_url=None)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, err: OpenAIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(OpenAIError(500, f"internal error: {err!r}").body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await ingress.health()
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await ingress.models(request)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return await ingress.metrics(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await ingress.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await ingress.chat_completions(request)
+
+    return app

@@ -1,0 +1,209 @@
+"""The engine in a child process of its replica (vLLM V1's EngineCore, in small).
+
+Why: in one process the step loop and the replica's event loop (HTTP, SSE, Ray Serve) share
+the GIL. Every torch op releases and retakes it, so a busy event loop stretches each step
+(measured: a 0.48 ms decode step took 1.0-1.5 ms under the serving benchmark). In its own
+process the loop steps at full speed and its replica gets one message per step.
+
+    replica  EngineProcess: spawns `python -m flagserve.serve.engine_core FD`; a writer
+             thread sends the commands (AddRequest, AbortRequest, Shutdown) and a reader
+             thread hands the StepResults to the event loop
+    child    main(): builds LLMEngine, answers CoreReady (or CoreFailed), then run_steps
+
+Messages are pickled over a socketpair (multiprocessing.connection framing). The child
+exits when its replica goes away: a closed socket ends the loop at the next step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+from typing import Any
+
+from flagserve.engine.stats import EngineStats
+from flagserve.serve.engine_loop import Command, EngineDeadError, StepResult, run_steps
+
+log = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 10.0
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding flagserve/
+
+
+@dataclass
+class CoreReady:
+    max_model_len: int
+    vocab_size: int
+    stats: EngineStats
+
+
+@dataclass
+class CoreFailed:
+    error: str  # the child's traceback
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+class EngineProcess:
+    """run_steps in a child process; the EngineCore interface of engine_loop.py."""
+
+    def __init__(self, engine_args: Any):
+        parent, child = Pipe(duplex=True)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flagserve.serve.engine_core", str(child.fileno())],
+            pass_fds=(child.fileno(),), env=env)
+        child.close()
+        self.conn: Connection = parent
+        self._stopping = False
+        self.error: EngineDeadError | None = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands; None ends the writer
+        self._reader: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
+        try:
+            self.conn.send(engine_args)
+            ready = self._wait_ready()
+        except BaseException:
+            self._kill()
+            raise
+        self.max_model_len, self.vocab_size, self.stats = (ready.max_model_len, ready.vocab_size,
+                                                           ready.stats)
+
+    def _wait_ready(self) -> CoreReady:
+        while not self.conn.poll(1.0):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the engine process exited with code {self.proc.returncode} "
+                                   "while loading the model; its output is in this replica's log")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the engine process exited with code {self.proc.wait()} "
+                               "while loading the model") from None
+        if isinstance(msg, CoreFailed):
+            raise RuntimeError(f"the engine process failed to start:\n{msg.error}")
+        return msg
+
+    def start(self, on_result: Callable[[StepResult | EngineDeadError], None]) -> None:
+        """Two threads, so that the event loop never blocks on the socket: one reads the
+        StepResults, one writes the commands queued by send()."""
+        def read() -> None:
+            try:
+                while True:
+                    msg = self.conn.recv()
+                    if isinstance(msg, CoreFailed):
+                        raise EngineDeadError(f"the engine process failed:\n{msg.error}")
+                    on_result(msg)
+            except (EOFError, OSError):
+                if not self._stopping:
+                    self._dead(on_result, EngineDeadError(
+                        f"the engine process exited with code {self.proc.wait()}"))
+            except EngineDeadError as err:
+                self._dead(on_result, err)
+            except BaseException as err:  # noqa: BLE001 - a reader that stops must not hang the child
+                log.exception("reading the engine process's results failed")
+                self._dead(on_result, EngineDeadError(repr(err)))
+
+        def write() -> None:
+            while (command := self._outbox.get()) is not None:
+                try:
+                    self.conn.send(command)
+                except OSError:
+                    return  # the child is gone; the reader reports how
+
+        self._reader = threading.Thread(target=read, name="engine-core-reader", daemon=True)
+        self._writer = threading.Thread(target=write, name="engine-core-writer", daemon=True)
+        self._reader.start()
+        self._writer.start()
+
+    def _dead(self, on_result: Callable[[EngineDeadError], None], err: EngineDeadError) -> None:
+        self.error = err
+        if self.proc.poll() is None:
+            self._kill()
+        on_result(err)
+
+    def send(self, command: Command | Shutdown) -> None:
+        if self.error is not None:
+            raise self.error
+        self._outbox.put(command)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self.proc.poll() is None
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._outbox.put(Shutdown())
+        self._outbox.put(None)
+        try:
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._kill()
+        if self._writer is not None:
+            self._writer.join(timeout=STOP_TIMEOUT_S)
+        self.conn.close()
+
+    def _kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def main(argv: list[str]) -> int:
+    conn = Connection(int(argv[0]))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    try:
+        from flagserve.engine.llm_engine import LLMEngine
+        engine = LLMEngine(conn.recv())
+
+    except BaseException:  # noqa: BLE001 - reported to the replica, which fails to start
+        conn.send(CoreFailed(traceback.format_exc()))
+        return 1
+    conn.send(CoreReady(engine.max_model_len, engine.model_config.vocab_size, engine.get_stats()))
+    stopping = False
+
+    def receive(timeout: float) -> list[Command]:
+        nonlocal stopping
+        commands: list[Command] = []
+        try:
+            while conn.poll(0 if commands else timeout):
+                msg = conn.recv()
+                if isinstance(msg, Shutdown):
+                    stopping = True
+                    break
+                commands.append(msg)
+        except (EOFError, OSError):  # the replica is gone
+            stopping = True
+        return commands
+
+    try:
+        run_steps(engine, receive, conn.send, lambda: stopping)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the replica went away while a result was being sent
+    except BaseException:  # noqa: BLE001 - the replica's health check fails on it
+        log.exception("engine step loop failed")
+        try:
+            conn.send(CoreFailed(traceback.format_exc()))
+        except OSError:
+            pass
+        return 1
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, not this __main__ copy: what it sends must unpickle as
+    # flagserve.serve.engine_core.CoreReady etc. in the replica.
+    from flagserve.serve.engine_core import main as module_main
+    sys.exit(module_main(sys.argv[1:]))

@@ -1,0 +1,83 @@
+"""The engine in a child process of its replica (engine_core.EngineProcess) against LLMEngine
+in this process: same tokens, aborts free the request, a dead child fails every stream."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from flagserve.engine.engine_args import EngineArgs
+from flagserve.engine.sampling_params import SamplingParams
+from flagserve.entrypoints.llm import LLM
+from flagserve.serve.engine_core import EngineProcess
+from flagserve.serve.engine_loop import AsyncEngine, EngineDeadError
+
+
+def _args(model: str) -> EngineArgs:
+    return EngineArgs(model=model, dtype="float32", max_model_len=256, max_num_seqs=8,
+                      cpu_kv_cache_space_gib=0.05)
+
+
+async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams):
+    ids, text = [], ""
+    async for out in engine.generate(rid, prompt, params):
+        ids += out.outputs[0].token_ids
+        text += out.outputs[0].text
+    return ids, text
+
+
+def test_engine_process_matches_in_process_engine(llama_path):
+    prompts = [[1, 5, 9, 13], list(range(3, 40)), [7] * 20]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    local = LLM(llama_path, dtype="float32", max_model_len=256, max_num_seqs=8,
+                cpu_kv_cache_space_gib=0.05)
+    expected = [(o.outputs[0].token_ids, o.outputs[0].text)
+                for o in local.generate(prompts, params, use_tqdm=False)]
+    engine = AsyncEngine(EngineProcess(_args(llama_path)))
+    try:
+        assert engine.core.max_model_len == 256
+
+        async def main():
+            got = await asyncio.gather(*(_collect(engine, f"r{i}", p, params)
+                                         for i, p in enumerate(prompts)))
+            assert [(list(i), t) for i, t in got] == [(list(i), t) for i, t in expected]
+            with pytest.raises(ValueError, match="max_model_len"):
+                await _collect(engine, "too-long", [1] * 300, params)
+            # A consumer that goes away aborts its request: the engine becomes idle.
+            gen = engine.generate("cut", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+            await gen.__anext__()
+            await gen.aclose()
+            for _ in range(100):
+                if engine.stats.num_running == 0 and engine.stats.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert engine.stats.num_running == 0
+
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert engine.core.proc.returncode == 0
+
+
+def test_engine_process_death_fails_streams(llama_path):
+    engine = AsyncEngine(EngineProcess(_args(llama_path)))
+    try:
+        async def main():
+            gen = engine.generate("r", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+            await gen.__anext__()
+            os.kill(engine.core.proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="exited"):
+                async for _ in gen:
+                    pass
+            assert not engine.alive
+
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_engine_process_reports_load_failure(tmp_path):
+    with pytest.raises(RuntimeError, match="failed to start"):
+        EngineProcess(EngineArgs(model=str(tmp_path / "missing"), dtype="float32"))
