@@ -5,7 +5,7 @@ from collections import defaultdict
 
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
-from flagserve.config.validate import served_names, uses_gpu
+from flagserve.config.validate import direct_http, ingress_in_engine, served_names, uses_gpu
 from flagserve.runner.memory import estimate
 from flagserve.runner.placement import place
 
@@ -40,8 +40,13 @@ def print_plan(config: Config, hosts: list[Host]) -> None:
     bind = config.deploy.host
     url_host = head.address if exp.runner.hostfile and bind in ("0.0.0.0", "::") else bind
     url = f"http://{url_host}:{config.deploy.port}"
-    print(f"  {'ingress':<24} {config.deploy.ingress_replicas!s:<18} {head.address} (CPU), "
-          f"OpenAI API at {url}/v1")
+    local = ingress_in_engine(config)
+    via = "each replica listens on the port" if direct_http(config) else "through Ray Serve's proxy"
+    if local is None:
+        print(f"  {'ingress':<24} {config.deploy.ingress_replicas!s:<18} any host (CPU), "
+              f"OpenAI API at {url}/v1 ({via})")
+    else:
+        print(f"  OpenAI API at {url}/v1, served by every {local}-engine replica ({via})")
     print(f"  {'metrics':<24} {'1':<18} {head.address} (CPU)")
     for mid, m in config.user_modules.items():
         print(f"  {mid:<24} {_replicas(m.resources):<18} any host (CPU), {m.name} from {m.module}")
@@ -54,7 +59,7 @@ def print_plan(config: Config, hosts: list[Host]) -> None:
         gpu = uses_gpu(m, hosts)
         layout = f"TP {m.tensor_parallel_size} x PP {m.pipeline_parallel_size}"
         print(f"  {mid + '-engine':<24} {_replicas(m.resources):<18} {layout}, "
-              f"model {', '.join(served_names(mid, m))}")
+              f"model {', '.join(served_names(mid, m))}, step loop in a {m.engine_core_mode}")
         for s in shards[mid]:
             where = f"gpu {','.join(map(str, s.devices))}" if gpu else "cpu"
             print(f"  {'':<24} {'':<18} replica {s.replica} stage {s.stage}: {s.host} {where}")
