@@ -10,13 +10,15 @@ process the loop steps at full speed and its replica gets one message per step.
              thread hands the StepResults to the event loop
     child    main(): builds LLMEngine, answers CoreReady (or CoreFailed), then run_steps
 
-Messages are pickled over a socketpair (multiprocessing.connection framing). The child
+Messages are pickled over a socketpair (multiprocessing.connection framing); the
+per-step results as plain tuples (engine_wire.py). The child
 exits when its replica goes away: a closed socket ends the loop at the next step.
 """
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import subprocess
 import sys
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from flagserve.engine.stats import EngineStats
+from flagserve.serve import engine_wire
 from flagserve.serve.engine_loop import Command, EngineDeadError, StepResult, run_steps
 
 log = logging.getLogger(__name__)
@@ -85,7 +88,7 @@ class EngineProcess:
                 raise RuntimeError(f"the engine process exited with code {self.proc.returncode} "
                                    "while loading the model; its output is in this replica's log")
         try:
-            msg = self.conn.recv()
+            msg = pickle.loads(self.conn.recv_bytes())
         except EOFError:
             raise RuntimeError(f"the engine process exited with code {self.proc.wait()} "
                                "while loading the model") from None
@@ -99,10 +102,10 @@ class EngineProcess:
         def read() -> None:
             try:
                 while True:
-                    msg = self.conn.recv()
+                    msg = pickle.loads(self.conn.recv_bytes())
                     if isinstance(msg, CoreFailed):
                         raise EngineDeadError(f"the engine process failed:\n{msg.error}")
-                    on_result(msg)
+                    on_result(engine_wire.decode(msg))
             except (EOFError, OSError):
                 if not self._stopping:
                     self._dead(on_result, EngineDeadError(
@@ -159,6 +162,10 @@ class EngineProcess:
         self.proc.wait()
 
 
+def _send(conn: Connection, msg: CoreReady | CoreFailed) -> None:
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
@@ -167,9 +174,9 @@ def main(argv: list[str]) -> int:
         engine = LLMEngine(conn.recv())
 
     except BaseException:  # noqa: BLE001 - reported to the replica, which fails to start
-        conn.send(CoreFailed(traceback.format_exc()))
+        _send(conn, CoreFailed(traceback.format_exc()))
         return 1
-    conn.send(CoreReady(engine.max_model_len, engine.model_config.vocab_size, engine.get_stats()))
+    _send(conn, CoreReady(engine.max_model_len, engine.model_config.vocab_size, engine.get_stats()))
     stopping = False
 
     def receive(timeout: float) -> list[Command]:
@@ -187,13 +194,14 @@ def main(argv: list[str]) -> int:
         return commands
 
     try:
-        run_steps(engine, receive, conn.send, lambda: stopping)
+        run_steps(engine, receive, lambda result: conn.send_bytes(engine_wire.encode(result)),
+                  lambda: stopping)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the replica went away while a result was being sent
     except BaseException:  # noqa: BLE001 - the replica's health check fails on it
         log.exception("engine step loop failed")
         try:
-            conn.send(CoreFailed(traceback.format_exc()))
+            _send(conn, CoreFailed(traceback.format_exc()))
         except OSError:
             pass
         return 1

@@ -81,3 +81,30 @@ def test_engine_process_death_fails_streams(llama_path):
 def test_engine_process_reports_load_failure(tmp_path):
     with pytest.raises(RuntimeError, match="failed to start"):
         EngineProcess(EngineArgs(model=str(tmp_path / "missing"), dtype="float32"))
+
+
+def test_wire_round_trips_every_field():
+    import dataclasses
+
+    from flagserve.engine.outputs import (CompletionOutput, Logprob, RequestMetrics,
+                                          RequestOutput)
+    from flagserve.engine.stats import EngineStats
+    from flagserve.serve import engine_wire
+    from flagserve.serve.engine_loop import StepResult
+
+    # Every field set to a distinct non-default value, so a field the wire drops shows.
+    def filled(cls, **given):
+        values = {}
+        for i, f in enumerate(dataclasses.fields(cls)):
+            values[f.name] = given.get(f.name, i + 0.5 if "float" in str(f.type) else i + 1)
+        return cls(**values)
+
+    lp = [{7: Logprob(-0.5, 1, "a"), 9: Logprob(-1.5, 2, None)}]
+    completion = CompletionOutput(1, "text", [7, 8], -2.0, lp, "stop", "</s>")
+    out = RequestOutput("r1", "prompt", [1, 2, 3], [completion, CompletionOutput(0, "", [], None, None)],
+                        True, filled(RequestMetrics), 3)
+    stats = filled(EngineStats)
+    result = StepResult([out], stats, 123.5, [("bad", ValueError("too long"))])
+    back = engine_wire.decode(__import__("pickle").loads(engine_wire.encode(result)))
+    assert back.outputs == result.outputs and back.stats == stats and back.time == 123.5
+    assert back.rejected[0][0] == "bad" and str(back.rejected[0][1]) == "too long"
