@@ -195,7 +195,10 @@ def finish_sweep() -> None:
                      "TTFT p50": m.latency_ms["ttft"]["median"], "TTFT p99": m.latency_ms["ttft"]["p99"],
                      "TPOT p50": m.latency_ms["tpot"]["median"], "ITL p50": m.latency_ms["itl"]["median"],
                      "E2E p50": m.latency_ms["e2el"]["median"], "result": point["dir"]})
-    columns = [(k, k) for k in rows[0] if k != "result"]
+        if path := point["baselines"].get("serving_path"):  # what the path adds, per point
+            rows[-1]["TTFT +ms"] = path["ttft_overhead_ms"]
+            rows[-1]["ITL +%"] = path["itl_overhead_pct"]
+    columns = [(k, k) for k in dict.fromkeys(k for r in rows for k in r) if k != "result"]
     out_dir = Path(SWEEP[0]["result_dir"]) / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir.mkdir(parents=True, exist_ok=True)
     suite.report.write_json(out_dir / "sweep.json", {
