@@ -76,7 +76,7 @@ class LocalEngine:
         await self.server.check_health()
 
     def shutdown(self) -> None:
-        self.server.async_engine.shutdown()
+        self.server.shutdown()
 
 
 def engine_client(engine: Any, metrics_hub: Any) -> EngineClient:

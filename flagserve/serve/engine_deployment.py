@@ -1,7 +1,8 @@
-"""The engine deployment: one LLMEngine per replica, stepping on its own thread.
+"""The engine of one replica: a deployment of its own (<id>-engine, deploy.ingress:
+separate), or an object inside the ingress replica (deploy.ingress: engine).
 
-Interface to the ingress: `generate` is a streaming method (DeploymentHandle with
-stream=True), one call per request. Each item it yields carries every token produced since
+Interface to the ingress: `generate`, one call per request; a streaming method over a
+DeploymentHandle (stream=True) when it is a deployment, an async generator in process. Each item it yields carries every token produced since
 the previous item, so the per-token inner loop (scheduler, model, sampler) never crosses a
 Ray Serve hop and a busy ingress receives fewer, larger chunks instead of falling behind.
 Non-streaming requests get exactly one item. Cancelling the call (client disconnect)
@@ -102,10 +103,14 @@ class EngineDeployment:
                     log.warning("pushing metrics failed", exc_info=True)
             await asyncio.sleep(PUSH_INTERVAL_S)
 
-    def __del__(self) -> None:
+    def shutdown(self) -> None:
+        """Stop the step loop (and the engine process or shard workers); idempotent."""
         engine = getattr(self, "async_engine", None)
         if engine is not None:
             engine.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
 
 
 def make_core(args: EngineArgs, where: str) -> EngineCore:

@@ -144,6 +144,8 @@ class EngineThread:
         return self._thread is not None and self._thread.is_alive()
 
     def shutdown(self) -> None:
+        if self._stopping:
+            return
         self._stopping = True
         if self._thread is not None:
             self._thread.join(timeout=10)

@@ -28,10 +28,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from flagserve.serve.api import build_api
-
 from flagserve.serve.engine_client import EngineClient, LocalEngine, engine_client
-from flagserve.serve.http_server import DirectHTTPServer
 from flagserve.serve.formatters import ChatFormat, CompletionFormat, sse_response
+from flagserve.serve.http_server import DirectHTTPServer
 from flagserve.serve.messages import EngineChunk, EngineRequest, ModelInfo
 from flagserve.serve.openai_format import Header, OpenAIError, error_message
 from flagserve.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -55,6 +54,8 @@ class ModelRoute:
 class OpenAIIngress:
     def __init__(self, routes: list[ModelRoute], api_key: str | None, metrics_hub: Any,
                  listen: tuple[str, int] | None = None):
+        # Bound first, so that a taken port fails the replica's start at once, with a clear error.
+        self.http = DirectHTTPServer(*listen) if listen else None
         self.routes = routes
         self.by_name = {name: r for r in routes for name in [*r.names, r.module_id]}
         self.api_key = api_key
@@ -65,8 +66,6 @@ class OpenAIIngress:
         # In-process tokenizers (no Ray Serve hop before the engine call).
         self.tokenizers = {r.module_id: PromptTokenizer(r.tokenizer_path)
                            for r in routes if r.tokenizer is None}
-        # Bound now, so that a taken port fails the replica's start with a clear error.
-        self.http = DirectHTTPServer(*listen) if listen else None
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this once the replica is constructed, on its event loop."""

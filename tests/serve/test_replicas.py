@@ -1,0 +1,42 @@
+"""Two engine replicas on one host, both listening on the configured port (SO_REUSEPORT):
+new connections reach both, and stop leaves nothing."""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+import requests
+
+from tests.serve.conftest import free_port, kill_recorded, run_py
+
+
+def test_two_replicas_share_the_port(tmp_path):
+    port = free_port()
+    args = ["--config-name", "serve", f"experiment.exp_name=test-{uuid.uuid4().hex[:8]}",
+            f"experiment.exp_dir={tmp_path}", f"experiment.runner.deploy.port={port}",
+            "serve.llm.resources.num_replicas=2", "serve.llm.engine_args.max_model_len=256",
+            "serve.llm.engine_args.cpu_kv_cache_space_gib=0.05"]
+    try:
+        result = run_py(*args, "action=run", timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(30):  # one connection per request: the kernel picks a replica per connection
+            with requests.Session() as s:
+                r = s.post(f"{url}/v1/completions", timeout=60,
+                           json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+        served: dict[str, float] = {}
+        for _ in range(20):  # replicas push their metrics every 0.5 s
+            text = requests.get(f"{url}/metrics", timeout=10).text
+            served = {engine: float(n) for engine, n in re.findall(
+                r'vllm:request_success_total\{engine="([^"]+)",finished_reason="length"[^}]*\} (\S+)', text)}
+            if sum(served.values()) == 30:
+                break
+            time.sleep(0.5)
+        assert len(served) == 2 and sum(served.values()) == 30, served
+        assert min(served.values()) > 0, served  # both replicas took connections
+    finally:
+        stop = run_py(*args, "action=stop", timeout=120)
+        if stop.returncode != 0:
+            kill_recorded(tmp_path)
