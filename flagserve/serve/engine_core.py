@@ -20,6 +20,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -172,18 +173,21 @@ def main(argv: list[str]) -> int:
     try:
         from flagserve.engine.llm_engine import LLMEngine
         engine = LLMEngine(conn.recv())
-
     except BaseException:  # noqa: BLE001 - reported to the replica, which fails to start
         _send(conn, CoreFailed(traceback.format_exc()))
         return 1
     _send(conn, CoreReady(engine.max_model_len, engine.model_config.vocab_size, engine.get_stats()))
     stopping = False
+    # One poll object for the life of the loop: Connection.poll builds a selector per call,
+    # a few microseconds of every 0.45 ms step.
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
 
     def receive(timeout: float) -> list[Command]:
         nonlocal stopping
         commands: list[Command] = []
         try:
-            while conn.poll(0 if commands else timeout):
+            while poller.poll(0 if commands else timeout * 1000):
                 msg = conn.recv()
                 if isinstance(msg, Shutdown):
                     stopping = True
