@@ -10,7 +10,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from flagserve.serve.openai_format import OpenAIError
+from flagserve.serve.engine_loop import EngineDeadError
+from flagserve.serve.openai_format import OpenAIError, engine_dead_message
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,10 @@ def build_api(ingress: Any) -> FastAPI:
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, err: OpenAIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:
+        return JSONResponse(OpenAIError(503, engine_dead_message(err)).body(), status_code=503)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:

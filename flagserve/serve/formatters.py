@@ -11,10 +11,11 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from flagserve.serve.engine_loop import EngineDeadError
 from flagserve.serve.messages import ChoiceDelta, EngineChunk, merge_choice
 from flagserve.serve.openai_format import (CompletionLogprobs, Header, OpenAIError, Usage,
                                            chat_choice, chat_logprobs, completion_choice,
-                                           error_message, sse)
+                                           engine_dead_message, error_message, sse)
 
 log = logging.getLogger(__name__)
 Batches = AsyncIterator[list[tuple[int, EngineChunk]]]
@@ -135,7 +136,10 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
                 yield event
         except Exception as err:  # noqa: BLE001 - the status line is sent; report in-band
             log.exception("stream failed")
-            status = 400 if isinstance(err, ValueError) else 500
-            yield sse(OpenAIError(status, error_message(err)).body())
+            if isinstance(err, EngineDeadError):
+                body = OpenAIError(503, engine_dead_message(err)).body()
+            else:
+                body = OpenAIError(400 if isinstance(err, ValueError) else 500, error_message(err)).body()
+            yield sse(body)
         yield sse("[DONE]")
     return StreamingResponse(body(), media_type="text/event-stream")

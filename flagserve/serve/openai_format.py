@@ -111,3 +111,8 @@ def error_message(err: BaseException) -> str:
     """The user's message of an exception raised in another deployment (RayTaskError wraps it)."""
     cause = getattr(err, "cause", None)
     return str(cause if cause is not None else err).strip().splitlines()[-1]
+
+
+def engine_dead_message(err: BaseException) -> str:
+    return (f"the engine of this replica stopped ({error_message(err)}); Ray Serve is restarting "
+            "it: retry in a few seconds")

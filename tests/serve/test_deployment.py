@@ -223,6 +223,38 @@ def test_user_module_preprocesses_requests(deployment):
     assert prompt_tokens("what is flagserve?") >= prompt_tokens("what is flagship?") + 10
 
 
+def test_dead_engine_process_gives_503_then_the_replica_is_replaced(deployment):
+    if deployment.path != "direct":
+        pytest.skip("engine_core=thread: there is no engine process to kill")
+    import signal
+
+    from flagserve.runner.launcher import session_members
+    from flagserve.runner.records import ExpPaths, load_processes
+
+    def cores():
+        members = session_members(load_processes(ExpPaths(deployment.exp_dir))[0])
+        return [p for p in members if "flagserve.serve.engine_core" in " ".join(p.cmdline())]
+
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    (old,) = cores()
+    old.send_signal(signal.SIGKILL)
+    old.wait(10)
+    r = post(deployment, "/v1/completions", body)
+    assert r.status_code == 503 and "restarting" in r.json()["error"]["message"], r.text
+    deadline = time.time() + 90  # 3 failed health checks 2 s apart, then a new replica loads
+    while time.time() < deadline:
+        try:
+            r = post(deployment, "/v1/completions", body)
+            if r.status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass  # between the old replica and the new one
+        time.sleep(1)
+    assert r.status_code == 200, r.text
+    (new,) = cores()
+    assert new.pid != old.pid
+
+
 def test_status_reports_deployments(deployment):
     result = deployment.run_py("status")
     assert result.returncode == 0, result.stdout + result.stderr
