@@ -5,6 +5,7 @@ the replica's own HTTP server when it listens directly (http_server.py).
 No `from __future__ import annotations`: FastAPI must see the real Request type.
 """
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,6 +15,9 @@ from flagserve.serve.engine_loop import EngineDeadError
 from flagserve.serve.openai_format import OpenAIError, engine_dead_message
 
 log = logging.getLogger(__name__)
+ROUTES = (("GET", "/health", "health"), ("GET", "/v1/models", "models"),
+          ("GET", "/metrics", "metrics"), ("POST", "/v1/completions", "completions"),
+          ("POST", "/v1/chat/completions", "chat_completions"))  # -> OpenAIIngress methods
 
 
 def build_api(ingress: Any) -> FastAPI:
@@ -32,24 +36,12 @@ def build_api(ingress: Any) -> FastAPI:
         log.exception("request failed")
         return JSONResponse(OpenAIError(500, f"internal error: {err!r}").body(), status_code=500)
 
-    @app.get("/health")
-    async def health() -> Response:
-        return await ingress.health()
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await ingress.models(request)
-
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        return await ingress.metrics(request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await ingress.completions(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await ingress.chat_completions(request)
-
+    for method, path, name in ROUTES:
+        app.add_api_route(path, _endpoint(getattr(ingress, name)), methods=[method], name=name)
     return app
+
+
+def _endpoint(handler: Callable[[Request], Awaitable[Response]]) -> Callable:
+    async def endpoint(request: Request) -> Response:
+        return await handler(request)
+    return endpoint

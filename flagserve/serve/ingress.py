@@ -203,7 +203,7 @@ class OpenAIIngress:
 
     # routes
 
-    async def health(self) -> Response:
+    async def health(self, _: Request) -> Response:
         try:
             alive = await asyncio.wait_for(
                 asyncio.gather(*(e.ping() for e in self.engines.values())), HEALTH_TIMEOUT_S)
