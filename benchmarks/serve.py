@@ -57,9 +57,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, help="torch threads of the in-process baselines")
     p.add_argument("--result-dir", default="outputs/bench", help="results go to <dir>/<time>/")
     p.add_argument("--label", default="HTTP", help="name of this server in the report")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="serving_path: HTTP and in-process passes, pass p on prompts of seed + p; "
+                        "overheads are medians over the passes")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     args.baselines = [b for b in args.baselines.split(",") if b]
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     for b in args.baselines:
         if b not in BASELINES:
             p.error(f"unknown baseline {b!r}; use {', '.join(BASELINES)}")
@@ -100,16 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     s = suite.Settings(args.dataset, args.dataset_path, args.num_prompts, args.input_len,
                        args.output_len, args.range_ratio, args.prefix_len, args.request_rate,
                        args.burstiness, args.max_concurrency, args.endpoint, not args.no_ignore_eos,
-                       args.seed, args.warmup, args.baselines, not args.no_progress)
+                       args.seed, args.warmup, args.baselines, not args.no_progress, args.repeats)
     samples, offsets = suite.workload(s, tokenizer)
     rate = "inf" if s.request_rate == float("inf") else s.request_rate
     title = f"{target.model} at {target.root}: {s.dataset} x{len(samples)}, rate {rate}"
     runs = [suite.http_run(args.label, target, s, samples, offsets)]
+    more_http = suite.http_passes(args.label, target, s, tokenizer)
     baselines = {}
     if s.baselines:
         eargs = engine_args(args, args.engine_model or tokenizer_dir)
         more, baselines = suite.run_baselines(runs[0], eargs, tokenizer, s, samples, offsets,
-                                              args.num_threads)
+                                              args.num_threads, more_http)
         runs += more
     out_dir = Path(args.result_dir) / time.strftime("%Y%m%d-%H%M%S")
     files = suite.save(out_dir, title, s, runs, baselines,

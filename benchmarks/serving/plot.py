@@ -80,7 +80,7 @@ def _baseline_panels(baselines: dict[str, Any]) -> list[tuple[str, list[str], li
         sp = baselines["serving_path"]
         for metric, title in (("ttft", f"median TTFT: +{sp['ttft_overhead_ms']:.2f} ms via HTTP"),
                               ("itl", f"median ITL: {sp['itl_overhead_pct']:+.1f}% via HTTP")):
-            panels.append((title, ["HTTP (Ray Serve)", "in-process engine"],
+            panels.append((title, ["HTTP", "in-process engine"],
                            [sp["http"][metric]["median"], sp["engine"][metric]["median"]],
                            [COLORS["http"], COLORS["engine"]], "ms"))
     if "prefix_caching" in baselines:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks.serving import plot, prom, report
 from benchmarks.serving.client import Target, bench_http, warm_up
 from benchmarks.serving.datasets import SampleRequest, build_dataset, shared_prefix_dataset
@@ -42,6 +44,7 @@ class Settings:
     warmup: int = 2
     baselines: list[str] = field(default_factory=list)
     progress: bool = True
+    repeats: int = 1  # passes of the serving_path comparison (each on prompts of seed + pass)
 
     @classmethod
     def from_config(cls, bench: Any) -> "Settings":
@@ -72,10 +75,20 @@ class Run:
                  "error": r.error} for r in self.results]
 
 
-def workload(s: Settings, tokenizer: Any) -> tuple[list[SampleRequest], list[float]]:
+def workload(s: Settings, tokenizer: Any, pass_: int = 0) -> tuple[list[SampleRequest], list[float]]:
+    """The prompts and arrival offsets of one pass (pass p draws with seed + p)."""
+    seed = s.seed + pass_
     samples = build_dataset(s.dataset, tokenizer, s.num_prompts, s.input_len, s.output_len,
-                            s.range_ratio, s.prefix_len, s.dataset_path, s.seed)
-    return samples, arrival_offsets(len(samples), s.request_rate, s.burstiness, s.seed)
+                            s.range_ratio, s.prefix_len, s.dataset_path, seed)
+    return samples, arrival_offsets(len(samples), s.request_rate, s.burstiness, seed)
+
+
+def http_passes(label: str, target: Target, s: Settings, tokenizer: Any) -> list[Run]:
+    """Passes 1 .. repeats-1 of the HTTP run (pass 0 is the main run), for serving_path."""
+    if "serving_path" not in s.baselines:
+        return []
+    return [http_run(f"{label} pass {p}", target, s, *workload(s, tokenizer, p))
+            for p in range(1, s.repeats)]
 
 
 def http_run(label: str, target: Target, s: Settings, samples: list[SampleRequest],
@@ -115,23 +128,39 @@ def engine_run(label: str, engine: Any, s: Settings, samples: list[SampleRequest
                {"queries": queried, "hits": hits, "hit_rate": hits / queried if queried else 0.0})
 
 
-def serving_path(http: Run, engine_args: dict[str, Any], s: Settings, samples: list[SampleRequest],
-                 offsets: list[float]) -> tuple[Run, dict[str, Any]]:
-    """The same workload in-process; what the HTTP path adds to median TTFT and ITL."""
-    engine = _engine(engine_args)
-    run = engine_run("in-process engine", engine, s, samples, offsets)
-    del engine
-    h, e = http.metrics.latency_ms, run.metrics.latency_ms
+def _overheads(h: dict[str, dict[str, float]], e: dict[str, dict[str, float]]) -> dict[str, float | None]:
+    def pct(k: str) -> float | None:
+        return 100.0 * (h[k]["median"] / e[k]["median"] - 1) if e[k]["median"] else None
+    return {"ttft_overhead_ms": h["ttft"]["median"] - e["ttft"]["median"],
+            "itl_overhead_pct": pct("itl"), "tpot_overhead_pct": pct("tpot")}
+
+
+def _median_stats(runs: list[Run]) -> dict[str, dict[str, float]]:
+    """Each latency statistic as the median over runs (one run: its own)."""
+    return {k: {stat: float(np.median([r.metrics.latency_ms[k][stat] for r in runs]))
+                for stat in runs[0].metrics.latency_ms[k]}
+            for k in ("ttft", "tpot", "itl", "e2el")}
+
+
+def serving_path(http: list[Run], engine_args: dict[str, Any], s: Settings,
+                 workloads: list[tuple[list[SampleRequest], list[float]]]) -> tuple[Run, dict[str, Any]]:
+    """Pass p's workload in-process (a fresh engine each: no pass sees another's prefix
+    cache); what the HTTP path adds to median TTFT and ITL, as medians over the passes."""
+    engine_runs = []
+    for samples, offsets in workloads:
+        engine = _engine(engine_args)
+        engine_runs.append(engine_run("in-process engine", engine, s, samples, offsets))
+        del engine
+    h, e = _median_stats(http), _median_stats(engine_runs)
     summary = {
-        "http": {k: h[k] for k in ("ttft", "tpot", "itl", "e2el")},
-        "engine": {k: e[k] for k in ("ttft", "tpot", "itl", "e2el")},
-        "ttft_overhead_ms": h["ttft"]["median"] - e["ttft"]["median"],
-        "itl_overhead_pct": 100.0 * (h["itl"]["median"] / e["itl"]["median"] - 1) if e["itl"]["median"] else None,
-        "tpot_overhead_pct": 100.0 * (h["tpot"]["median"] / e["tpot"]["median"] - 1) if e["tpot"]["median"] else None,
-        "http_output_throughput": http.metrics.output_throughput,
-        "engine_output_throughput": run.metrics.output_throughput,
+        "http": h, "engine": e, **_overheads(h, e),
+        "http_output_throughput": http[0].metrics.output_throughput,
+        "engine_output_throughput": engine_runs[0].metrics.output_throughput,
     }
-    return run, summary
+    if len(http) > 1:
+        summary["passes"] = [_overheads(a.metrics.latency_ms, b.metrics.latency_ms)
+                             for a, b in zip(http, engine_runs)]
+    return engine_runs[0], summary
 
 
 def prefix_caching(engine_args: dict[str, Any], tokenizer: Any, s: Settings) -> tuple[list[Run], dict[str, Any]]:
@@ -177,13 +206,17 @@ def continuous_batching(engine_args: dict[str, Any], tokenizer: Any, samples: li
 
 def run_baselines(http: Run, engine_args: dict[str, Any], tokenizer: Any, s: Settings,
                   samples: list[SampleRequest], offsets: list[float],
-                  num_threads: int | None = None) -> tuple[list[Run], dict[str, Any]]:
-    """The baselines named in s.baselines, in-process (the deployment should be stopped or idle)."""
+                  num_threads: int | None = None, more_http: list[Run] | None = None
+                  ) -> tuple[list[Run], dict[str, Any]]:
+    """The baselines named in s.baselines, in-process (the deployment should be stopped or idle).
+    more_http: the HTTP passes 1.. (http_passes) of serving_path, when s.repeats > 1."""
     _threads(num_threads)
     runs: list[Run] = []
     out: dict[str, Any] = {}
     if "serving_path" in s.baselines:
-        run, out["serving_path"] = serving_path(http, engine_args, s, samples, offsets)
+        passes = [http, *(more_http or [])]
+        workloads = [(samples, offsets)] + [workload(s, tokenizer, p) for p in range(1, len(passes))]
+        run, out["serving_path"] = serving_path(passes, engine_args, s, workloads)
         runs.append(run)
     if "prefix_caching" in s.baselines:
         pc_runs, out["prefix_caching"] = prefix_caching(engine_args, tokenizer, s)
@@ -197,10 +230,15 @@ def baseline_lines(baselines: dict[str, Any]) -> list[str]:
     lines = []
     if sp := baselines.get("serving_path"):
         itl = sp["itl_overhead_pct"]
-        lines.append(f"serving path: median TTFT {sp['http']['ttft']['median']:.2f} ms via HTTP vs "
+        passes = sp.get("passes")
+        over = f", medians of {len(passes)} passes" if passes else ""
+        lines.append(f"serving path{over}: median TTFT {sp['http']['ttft']['median']:.2f} ms via HTTP vs "
                      f"{sp['engine']['ttft']['median']:.2f} ms in-process (+{sp['ttft_overhead_ms']:.2f} ms); "
                      f"median ITL {sp['http']['itl']['median']:.3f} vs {sp['engine']['itl']['median']:.3f} ms "
                      f"({itl:+.1f}%)" if itl is not None else "")
+        if passes:
+            lines.append("  per pass: " + "; ".join(
+                f"TTFT +{p['ttft_overhead_ms']:.2f} ms, ITL {p['itl_overhead_pct']:+.1f}%" for p in passes))
     if pc := baselines.get("prefix_caching"):
         lines.append(f"prefix caching ({pc['prefix_len']}-token shared prefix): median TTFT "
                      f"{pc['on']['ttft']['median']:.2f} ms on vs {pc['off']['ttft']['median']:.2f} ms off "

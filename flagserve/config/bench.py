@@ -52,6 +52,8 @@ def validate_bench(config: Config) -> None:
     if b.endpoint not in BENCH_ENDPOINTS:
         raise ConfigError(f"{KEY}.endpoint", f"unknown endpoint {b.endpoint!r}",
                           f"use one of: {', '.join(BENCH_ENDPOINTS)}")
+    if b.repeats < 1:
+        raise ConfigError(f"{KEY}.repeats", f"must be >= 1, got {b.repeats}", "e.g. 3")
     if b.warmup < 0:
         raise ConfigError(f"{KEY}.warmup", f"must be >= 0, got {b.warmup}", "e.g. 2")
     for name in b.baselines:

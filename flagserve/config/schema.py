@@ -98,6 +98,10 @@ class BenchConfig:
     ignore_eos: bool = True
     seed: int = 0
     warmup: int = 2  # requests sent first and not counted
+    # Passes of the serving_path comparison: HTTP and in-process each run this many times,
+    # pass i on its own prompts (seed + i, so no pass hits another's prefix cache); the
+    # overheads are medians over the passes.
+    repeats: int = 1
     baselines: list[str] = field(default_factory=lambda: list(BENCH_BASELINES))
     module: str | None = None  # the LLM module to bench; default: the first one
     result_dir: str | None = None  # default: <exp_dir>/bench

@@ -131,11 +131,12 @@ def bench(config: Config, hosts: list[Host] | None = None) -> int:
         if code != 0:
             return code
         started = True
-    runs = []
+    runs, more_http = [], []
     try:
         target = suite.Target(url, model, config.api_key, settings.endpoint, settings.ignore_eos)
         print(f"sending {len(samples)} requests to {target.url} ...", flush=True)
         runs.append(suite.http_run("HTTP (FlagServe)", target, settings, samples, offsets))
+        more_http = suite.http_passes("HTTP (FlagServe)", target, settings, tokenizer)
         if b.compare_base_url:
             other = suite.Target(b.compare_base_url, b.compare_model or model, None,
                                  settings.endpoint, settings.ignore_eos)
@@ -150,7 +151,7 @@ def bench(config: Config, hosts: list[Host] | None = None) -> int:
         print(f"baselines in-process: {', '.join(settings.baselines)} ...", flush=True)
         threads = None if uses_gpu(module, hosts or []) else int(module.resources.num_cpus or 1)
         extra_runs, baselines = suite.run_baselines(runs[0], engine_args, tokenizer, settings,
-                                                    samples, offsets, threads)
+                                                    samples, offsets, threads, more_http)
         runs += extra_runs
 
     stamp = time.strftime("%Y%m%d-%H%M%S")

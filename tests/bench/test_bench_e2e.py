@@ -80,6 +80,17 @@ def test_action_bench_uses_running_deployment(server):
     assert run_py(*server["args"], "action=status").returncode == 0  # still running
 
 
+def test_serving_path_repeats_are_medians_over_passes(server):
+    out = run_py(*server["args"], "action=bench", *SMALL, "experiment.bench.baselines=[serving_path]",
+                 "experiment.bench.repeats=3", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "serving path, medians of 3 passes" in out.stdout and "per pass: " in out.stdout
+    sp = only_result(server["exp_dir"] / "bench")["baselines"]["serving_path"]
+    assert len(sp["passes"]) == 3
+    assert sp["ttft_overhead_ms"] == pytest.approx(
+        sp["http"]["ttft"]["median"] - sp["engine"]["ttft"]["median"])
+
+
 def test_multirun_sweep_gives_one_result_per_point_and_a_table(server):
     out = run_py("-m", *server["args"], "action=bench", *SMALL, "experiment.bench.baselines=[]",
                  "experiment.bench.request_rate=50,inf", timeout=300)

@@ -73,3 +73,11 @@ def test_poisson_schedule():
     assert smooth.mean() == pytest.approx(1 / 20, rel=0.05) and smooth.std() < gaps.std() / 2
     with pytest.raises(ValueError):
         arrival_offsets(3, 0.0)
+
+
+def test_each_pass_has_its_own_prompts(tokenizer):
+    from benchmarks.serving.suite import Settings, workload
+    s = Settings(num_prompts=6, input_len=16, output_len=4, range_ratio=0.5, request_rate=5.0)
+    first, again, second = workload(s, tokenizer), workload(s, tokenizer, 0), workload(s, tokenizer, 1)
+    assert [x.text for x in first[0]] == [x.text for x in again[0]] and first[1] == again[1]
+    assert not {x.text for x in first[0]} & {x.text for x in second[0]}  # no shared cache hits
