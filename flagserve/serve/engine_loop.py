@@ -177,9 +177,9 @@ class AsyncEngine:
         params = replace(params, output_kind=RequestOutputKind.DELTA)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self.core.send(AddRequest(request_id, prompt, params, arrival_time or time.time()))
         finished = False
         try:
+            self.core.send(AddRequest(request_id, prompt, params, arrival_time or time.time()))
             while not finished:
                 out = _merge(await stream.get(), stream)
                 finished = out.finished
