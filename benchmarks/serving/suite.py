@@ -83,12 +83,23 @@ def workload(s: Settings, tokenizer: Any, pass_: int = 0) -> tuple[list[SampleRe
     return samples, arrival_offsets(len(samples), s.request_rate, s.burstiness, seed)
 
 
-def http_passes(label: str, target: Target, s: Settings, tokenizer: Any) -> list[Run]:
+@dataclass
+class Pass:
+    """One HTTP pass of serving_path and the workload it sent (the in-process pass replays it)."""
+    http: Run
+    samples: list[SampleRequest]
+    offsets: list[float]
+
+
+def http_passes(label: str, target: Target, s: Settings, tokenizer: Any) -> list[Pass]:
     """Passes 1 .. repeats-1 of the HTTP run (pass 0 is the main run), for serving_path."""
     if "serving_path" not in s.baselines:
         return []
-    return [http_run(f"{label} pass {p}", target, s, *workload(s, tokenizer, p))
-            for p in range(1, s.repeats)]
+    passes = []
+    for p in range(1, s.repeats):
+        samples, offsets = workload(s, tokenizer, p)
+        passes.append(Pass(http_run(f"{label} pass {p}", target, s, samples, offsets), samples, offsets))
+    return passes
 
 
 def http_run(label: str, target: Target, s: Settings, samples: list[SampleRequest],
@@ -142,15 +153,15 @@ def _median_stats(runs: list[Run]) -> dict[str, dict[str, float]]:
             for k in ("ttft", "tpot", "itl", "e2el")}
 
 
-def serving_path(http: list[Run], engine_args: dict[str, Any], s: Settings,
-                 workloads: list[tuple[list[SampleRequest], list[float]]]) -> tuple[Run, dict[str, Any]]:
-    """Pass p's workload in-process (a fresh engine each: no pass sees another's prefix
+def serving_path(passes: list[Pass], engine_args: dict[str, Any], s: Settings) -> tuple[Run, dict[str, Any]]:
+    """Each pass's workload in-process (a fresh engine each: no pass sees another's prefix
     cache); what the HTTP path adds to median TTFT and ITL, as medians over the passes."""
     engine_runs = []
-    for samples, offsets in workloads:
+    for p in passes:
         engine = _engine(engine_args)
-        engine_runs.append(engine_run("in-process engine", engine, s, samples, offsets))
+        engine_runs.append(engine_run("in-process engine", engine, s, p.samples, p.offsets))
         del engine
+    http = [p.http for p in passes]
     h, e = _median_stats(http), _median_stats(engine_runs)
     summary = {
         "http": h, "engine": e, **_overheads(h, e),
@@ -206,7 +217,7 @@ def continuous_batching(engine_args: dict[str, Any], tokenizer: Any, samples: li
 
 def run_baselines(http: Run, engine_args: dict[str, Any], tokenizer: Any, s: Settings,
                   samples: list[SampleRequest], offsets: list[float],
-                  num_threads: int | None = None, more_http: list[Run] | None = None
+                  num_threads: int | None = None, more_http: list[Pass] | None = None
                   ) -> tuple[list[Run], dict[str, Any]]:
     """The baselines named in s.baselines, in-process (the deployment should be stopped or idle).
     more_http: the HTTP passes 1.. (http_passes) of serving_path, when s.repeats > 1."""
@@ -214,9 +225,8 @@ def run_baselines(http: Run, engine_args: dict[str, Any], tokenizer: Any, s: Set
     runs: list[Run] = []
     out: dict[str, Any] = {}
     if "serving_path" in s.baselines:
-        passes = [http, *(more_http or [])]
-        workloads = [(samples, offsets)] + [workload(s, tokenizer, p) for p in range(1, len(passes))]
-        run, out["serving_path"] = serving_path(passes, engine_args, s, workloads)
+        passes = [Pass(http, samples, offsets), *(more_http or [])]
+        run, out["serving_path"] = serving_path(passes, engine_args, s)
         runs.append(run)
     if "prefix_caching" in s.baselines:
         pc_runs, out["prefix_caching"] = prefix_caching(engine_args, tokenizer, s)

@@ -89,7 +89,7 @@ class EngineProcess:
                 raise RuntimeError(f"the engine process exited with code {self.proc.returncode} "
                                    "while loading the model; its output is in this replica's log")
         try:
-            msg = pickle.loads(self.conn.recv_bytes())
+            msg = _recv(self.conn)
         except EOFError:
             raise RuntimeError(f"the engine process exited with code {self.proc.wait()} "
                                "while loading the model") from None
@@ -103,7 +103,7 @@ class EngineProcess:
         def read() -> None:
             try:
                 while True:
-                    msg = pickle.loads(self.conn.recv_bytes())
+                    msg = _recv(self.conn)
                     if isinstance(msg, CoreFailed):
                         raise EngineDeadError(f"the engine process failed:\n{msg.error}")
                     on_result(engine_wire.decode(msg))
@@ -165,6 +165,11 @@ class EngineProcess:
 
 def _send(conn: Connection, msg: CoreReady | CoreFailed) -> None:
     conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    """What the child sent: CoreReady, CoreFailed, or a step result in engine_wire's tuples."""
+    return pickle.loads(conn.recv_bytes())
 
 
 def main(argv: list[str]) -> int:
