@@ -1,5 +1,5 @@
 """What generate() and LLMEngine.step() return, shaped like vLLM's outputs."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -47,3 +47,22 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+
+def merge_completion(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
+    """`b` following `a` (two DELTA outputs of the same choice) as one delta."""
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return CompletionOutput(b.index, a.text + b.text, a.token_ids + b.token_ids,
+                            b.cumulative_logprob, logprobs, b.finish_reason, b.stop_reason)
+
+
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """`b` following `a` (two DELTA outputs of the same request) as one delta."""
+    by_index = {c.index: c for c in a.outputs}
+    outs = [c if (prev := by_index.pop(c.index, None)) is None else merge_completion(prev, c)
+            for c in b.outputs]
+    outs.extend(by_index.values())
+    outs.sort(key=lambda c: c.index)
+    return replace(b, outputs=outs)

@@ -27,7 +27,7 @@ from flagserve.config.errors import ConfigError
 from flagserve.runner import http
 from flagserve.runner.environment import _env_after
 from flagserve.runner.launcher import is_alive, spawn, terminate
-from flagserve.runner.records import ProcessRecord
+from flagserve.cluster.records import ProcessRecord
 
 LOG_SUFFIXES = (".log", ".out", ".err", ".txt")
 MAX_LOG_BYTES = 64 * 2**20  # per file copied from Ray's session logs

@@ -27,7 +27,7 @@ from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.config.validate import engine_args_for, served_names, uses_gpu
 from flagserve.runner import local
-from flagserve.runner.records import ExpPaths, load_processes
+from flagserve.cluster.records import ExpPaths, load_processes
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEP: list[dict[str, Any]] = []  # one entry per bench run of this process (multirun points)

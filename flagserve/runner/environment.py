@@ -11,7 +11,7 @@ from pathlib import Path
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.schema import Config
-from flagserve.serve.ray_env import SERVE_ENV
+from flagserve.cluster.ray_env import SERVE_ENV, env_value, token_auth_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def server_env(config: Config, token_file: Path | None = None) -> dict[str, str]:
     env = dict(SERVE_ENV)  # Ray Serve's latency settings; the caller's environment wins
     env.update(os.environ)
-    env.update({k: _str(v) for k, v in config.experiment.envs.items()})
+    env.update({k: env_value(v) for k, v in config.experiment.envs.items()})
     if config.experiment.cmds.before_start:
         env = _env_after(config.experiment.cmds.before_start, env, "experiment.cmds.before_start")
     # Ray workers import flagserve even when it is not pip-installed.
@@ -31,14 +31,13 @@ def server_env(config: Config, token_file: Path | None = None) -> dict[str, str]
 
 
 def ray_auth_env(token_file: Path) -> dict[str, str]:
-    """Ray token authentication with a token of this experiment only (not ~/.ray/auth_token,
-    which every Ray user of the machine shares): only holders of exp_dir can join or connect."""
+    """token_auth_env with this experiment's token file, created on first use."""
     if not token_file.exists():
         token_file.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
+    return token_auth_env(str(token_file))
 
 
 def run_hook(command: str | None, env: dict[str, str], key: str) -> None:
@@ -68,9 +67,3 @@ def _env_after(command: str, env: dict[str, str], key: str) -> dict[str, str]:
 
 _DUMP_ENV = ("import os, sys; open(sys.argv[1], 'wb').write("
              "b'\\0'.join(f'{k}={v}'.encode() for k, v in os.environ.items()))")
-
-
-def _str(value: object) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)

@@ -24,9 +24,8 @@ from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.distributed.placement import host_resource  # `host:<address>`, what shards pin to
 from flagserve.runner.environment import REPO_ROOT
-from flagserve.serve.ray_env import SERVE_ENV
+from flagserve.cluster.ray_env import OBJECT_STORE_BYTES, SERVE_ENV, env_value, token_auth_env
 
-OBJECT_STORE_BYTES = 256 * 2**20  # Serve moves small messages; don't reserve GBs of /dev/shm
 HOST_RESOURCE_UNITS = 1000  # `host:<address>` units per node: pin with a fraction of it
 
 
@@ -67,9 +66,7 @@ def python_of(config: Config) -> str:
 
 
 def ray_env(paths: HostPaths) -> dict[str, str]:
-    """Token authentication with this experiment's token (never ~/.ray/auth_token)."""
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": paths.token,
-            "RAY_USAGE_STATS_ENABLED": "0",
+    return {**token_auth_env(paths.token), "RAY_USAGE_STATS_ENABLED": "0",
             # stop shuts Serve down before the nodes: no need to drain them for 30 s
             "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
@@ -103,7 +100,7 @@ def ray_start(config: Config, host: Host, head: Host) -> list[str]:
 def environment_args(config: Config, paths: HostPaths) -> list[str]:
     """`--env K=V ...` (experiment.envs, Ray Serve's latency settings it leaves unset, then
     Ray's token auth) and `--before-start CMD`."""
-    env = {k: _str(v) for k, v in config.experiment.envs.items()}
+    env = {k: env_value(v) for k, v in config.experiment.envs.items()}
     env.update({k: v for k, v in SERVE_ENV.items() if k not in env})
     env.update(ray_env(paths))
     args = [f"--env={k}={v}" for k, v in env.items()]
@@ -147,7 +144,7 @@ def stop_host(config: Config, address: str, records: list[dict], last: bool = Tr
     if last:
         args += [f"--ray-temp-dir={paths.ray_temp_dir}", f"--logs={paths.logs}"]
     if last and config.experiment.cmds.after_stop:
-        env = {k: _str(v) for k, v in config.experiment.envs.items()}
+        env = {k: env_value(v) for k, v in config.experiment.envs.items()}
         args += [f"--env={k}={v}" for k, v in env.items()]
         args += [f"--after-stop={config.experiment.cmds.after_stop}"]
     return agent(config, "stop", *args)
@@ -165,9 +162,3 @@ def host_status(config: Config, address: str, records: list[dict],
 def command_line(argv: list[str]) -> str:
     """What goes over SSH: the argument list quoted for the remote login shell."""
     return shlex.join(argv)
-
-
-def _str(value: object) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from flagserve.runner.records import ProcessRecord
+from flagserve.cluster.records import ProcessRecord
 
 
 def spawn(name: str, argv: list[str], env: dict[str, str], log: Path | None,

@@ -22,7 +22,7 @@ from flagserve.runner import http
 from flagserve.runner.environment import run_hook, server_env
 from flagserve.runner.launcher import is_alive, spawn, terminate
 from flagserve.runner.ray_status import serve_status
-from flagserve.runner.records import (ExpPaths, clear, load_processes, load_ray,
+from flagserve.cluster.records import (ExpPaths, clear, load_processes, load_ray,
                                       save_processes)
 
 

@@ -29,7 +29,7 @@ from flagserve.config.schema import Config
 from flagserve.runner import host_commands as cmd
 from flagserve.runner.environment import ray_auth_env
 from flagserve.runner.placement import stage_hosts
-from flagserve.runner.records import (ExpPaths, HostRecord, ProcessRecord, RayRecord, clear,
+from flagserve.cluster.records import (ExpPaths, HostRecord, ProcessRecord, RayRecord, clear,
                                       load_hosts, load_processes, load_ray, save_hosts,
                                       save_processes, save_ray)
 from flagserve.runner.ssh import Connection, HostError

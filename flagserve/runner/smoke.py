@@ -9,7 +9,7 @@ from flagserve.config.schema import Config
 from flagserve.config.validate import served_names
 from flagserve.runner import http, local
 from flagserve.config.hostfile import Host
-from flagserve.runner.records import ExpPaths, load_processes
+from flagserve.cluster.records import ExpPaths, load_processes
 
 
 def smoke_test(config: Config, hosts: list[Host] | None = None) -> int:

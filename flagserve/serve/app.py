@@ -27,9 +27,9 @@ from flagserve.config.schema import Config, LLMModule, ResourcesConfig
 from flagserve.config.validate import (direct_http, engine_args_for, ingress_in_engine,
                                        served_names, uses_gpu)
 from flagserve.config.hostfile import Host
-from flagserve.serve.engine_client import LocalEngineSpec
+from flagserve.entrypoints.openai.ingress import ModelRoute, OpenAIIngress
+from flagserve.serve.engine_clients import LocalEngineSpec, RemoteEngineSpec
 from flagserve.serve.engine_deployment import EngineDeployment
-from flagserve.serve.ingress import ModelRoute, OpenAIIngress
 from flagserve.serve.metrics_hub import MetricsHub
 from flagserve.serve.tokenizer_deployment import TokenizerDeployment
 from flagserve.serve.user_module import UserModuleDeployment
@@ -108,9 +108,9 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
         if mid == local:
             engine = LocalEngineSpec(mid, names[0], engine_args, module.engine_core_mode)
         else:
-            engine = serve.deployment(EngineDeployment).options(
+            engine = RemoteEngineSpec(serve.deployment(EngineDeployment).options(
                 name=f"{mid}-engine", **engine_options(module, hosts)
-            ).bind(mid, names[0], engine_args, hub, module.engine_core_mode)
+            ).bind(mid, names[0], engine_args, hub, module.engine_core_mode))
         routes.append(ModelRoute(mid, names, engine, tokenizer_path, tokenizer,
                                  [(d, users[d]) for d in dependency_order(config, mid)]))
     if local is not None:

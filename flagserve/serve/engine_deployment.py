@@ -2,18 +2,16 @@
 separate), or an object inside the ingress replica (deploy.ingress: engine).
 
 Interface to the ingress: `generate`, one call per request; a streaming method over a
-DeploymentHandle (stream=True) when it is a deployment, an async generator in process. Each item it yields carries every token produced since
-the previous item, so the per-token inner loop (scheduler, model, sampler) never crosses a
-Ray Serve hop and a busy ingress receives fewer, larger chunks instead of falling behind.
-Non-streaming requests get exactly one item. Cancelling the call (client disconnect)
-aborts the request and frees its KV blocks.
+DeploymentHandle (stream=True) when it is a deployment, an async generator in process. Each
+item it yields carries every token produced since the previous item, so the per-token inner
+loop (scheduler, model, sampler) never crosses a Ray Serve hop and a busy ingress receives
+fewer, larger chunks instead of falling behind. Non-streaming requests get exactly one item.
+Cancelling the call (client disconnect) aborts the request and frees its KV blocks.
 
-Where the step loop runs (serve.<id>.engine_core): `process` (the default with TP = PP = 1),
-a child process of the replica that holds the model (engine_core.py), so that the steps and
-this replica's event loop never wait for each other's GIL; `thread` (the default with
-TP x PP > 1), a thread of the replica. With TP x PP > 1 the replica only schedules:
-LLMEngine's RayExecutor starts the shard workers (Ray actors in this replica's own placement
-group, one per device) and drives them with one message per step; they die with the replica.
+The step loop runs where serve.<id>.engine_core says (flagserve/engine/core). With
+TP x PP > 1 the replica only schedules: LLMEngine's RayExecutor starts the shard workers
+(Ray actors in this replica's own placement group, one per device) and drives them with one
+message per step; they die with the replica.
 """
 from __future__ import annotations
 
@@ -25,10 +23,11 @@ from typing import Any
 
 from ray import serve
 
+from flagserve.engine.async_engine import AsyncEngine
+from flagserve.engine.core.interface import make_core
 from flagserve.engine.engine_args import EngineArgs
-from flagserve.engine.outputs import RequestOutput
-from flagserve.serve.engine_loop import AsyncEngine, EngineCore, EngineThread, merge_deltas
-from flagserve.serve.messages import ChoiceDelta, EngineChunk, EngineRequest, ModelInfo
+from flagserve.engine.outputs import RequestOutput, merge_deltas
+from flagserve.entrypoints.openai.engine_client import EngineChunk, EngineRequest, ModelInfo
 from flagserve.serve.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -113,17 +112,5 @@ class EngineDeployment:
         self.shutdown()
 
 
-def make_core(args: EngineArgs, where: str) -> EngineCore:
-    """The step loop in a child process (`process`) or on a thread of this one (`thread`)."""
-    if where == "process":
-        from flagserve.serve.engine_core import EngineProcess
-        return EngineProcess(args)
-    from flagserve.engine.llm_engine import LLMEngine  # heavy: torch, the model
-    return EngineThread(LLMEngine(args))
-
-
 def _chunk(out: RequestOutput) -> EngineChunk:
-    return EngineChunk(
-        [ChoiceDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
-         for c in out.outputs],
-        len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
+    return EngineChunk(out.outputs, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)

@@ -26,11 +26,10 @@ import yaml
 from flagserve.config import parse_config
 from flagserve.config.hostfile import Host, local_host
 from flagserve.config.validate import direct_http
-from flagserve.runner.records import ExpPaths, RayRecord, save_ray
-from flagserve.serve.ray_env import SERVE_ENV
+from flagserve.cluster.ray_env import OBJECT_STORE_BYTES, SERVE_ENV
+from flagserve.cluster.records import ExpPaths, RayRecord, save_ray
 
 log = logging.getLogger("flagserve.server")
-OBJECT_STORE_BYTES = 256 * 2**20  # Serve moves small messages; don't reserve GBs of /dev/shm
 
 
 def main(argv: list[str] | None = None) -> int:

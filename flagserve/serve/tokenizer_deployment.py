@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flagserve.serve.tokenizer import PromptTokenizer
+from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 
 
 class TokenizerDeployment:

@@ -11,7 +11,7 @@ from flagserve.config.hostfile import parse_hostfile_text
 from flagserve.runner import host_commands as cmd
 from flagserve.runner.environment import REPO_ROOT
 from flagserve.runner.ssh import ssh_target
-from flagserve.serve.ray_env import SERVE_ENV
+from flagserve.cluster.ray_env import SERVE_ENV
 
 PY = "/opt/venv/bin/python"
 AGENT = ["env", f"PYTHONPATH={REPO_ROOT}", PY, "-m", "flagserve.runner.agent"]

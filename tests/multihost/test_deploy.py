@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from flagserve.runner.records import ExpPaths, load_processes
+from flagserve.cluster.records import ExpPaths, load_processes
 
 REPO = Path(__file__).resolve().parents[2]
 PORT = 8000  # each namespace has its own network stack

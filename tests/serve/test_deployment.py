@@ -229,11 +229,11 @@ def test_dead_engine_process_gives_503_then_the_replica_is_replaced(deployment):
     import signal
 
     from flagserve.runner.launcher import session_members
-    from flagserve.runner.records import ExpPaths, load_processes
+    from flagserve.cluster.records import ExpPaths, load_processes
 
     def cores():
         members = session_members(load_processes(ExpPaths(deployment.exp_dir))[0])
-        return [p for p in members if "flagserve.serve.engine_core" in " ".join(p.cmdline())]
+        return [p for p in members if "flagserve.engine.core.process" in " ".join(p.cmdline())]
 
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
     (old,) = cores()
@@ -272,11 +272,11 @@ def test_status_reports_deployments(deployment):
 
 def test_stop_leaves_no_process(deployment):
     from flagserve.runner.launcher import session_members
-    from flagserve.runner.records import ExpPaths, load_processes
+    from flagserve.cluster.records import ExpPaths, load_processes
     records = load_processes(ExpPaths(deployment.exp_dir))
     members = session_members(records[0]) if records else []
     assert members  # the server and its Ray processes
-    cores = [p for p in members if "flagserve.serve.engine_core" in " ".join(p.cmdline())]
+    cores = [p for p in members if "flagserve.engine.core.process" in " ".join(p.cmdline())]
     assert len(cores) == (1 if deployment.path == "direct" else 0)  # engine_core: auto / thread
     result = deployment.run_py("stop")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -11,8 +11,9 @@ import pytest
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.entrypoints.llm import LLM
-from flagserve.serve.engine_core import EngineProcess
-from flagserve.serve.engine_loop import AsyncEngine, EngineDeadError
+from flagserve.engine.async_engine import AsyncEngine
+from flagserve.engine.core.loop import EngineDeadError
+from flagserve.engine.core.process import EngineProcess
 
 
 def _args(model: str) -> EngineArgs:
@@ -89,8 +90,8 @@ def test_wire_round_trips_every_field():
     from flagserve.engine.outputs import (CompletionOutput, Logprob, RequestMetrics,
                                           RequestOutput)
     from flagserve.engine.stats import EngineStats
-    from flagserve.serve import engine_wire
-    from flagserve.serve.engine_loop import StepResult
+    from flagserve.engine.core import wire as engine_wire
+    from flagserve.engine.core.loop import StepResult
 
     # Every field set to a distinct non-default value, so a field the wire drops shows.
     def filled(cls, **given):

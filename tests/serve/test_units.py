@@ -9,7 +9,8 @@ import pytest
 from flagserve.config.hostfile import HostfileError, parse_hostfile
 from flagserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from flagserve.engine.stats import EngineStats
-from flagserve.serve.engine_loop import AsyncEngine, EngineThread
+from flagserve.engine.async_engine import AsyncEngine
+from flagserve.engine.core.thread import EngineThread
 from flagserve.serve.metrics import EngineMetrics, render
 
 
@@ -114,13 +115,12 @@ def test_metrics_render_vllm_names():
 def test_chunks_that_arrive_together_leave_as_one_sse_event():
     import json
 
-    from flagserve.serve.formatters import ChatFormat, CompletionFormat
-    from flagserve.serve.messages import ChoiceDelta, EngineChunk
-    from flagserve.serve.openai_format import Header
-    from flagserve.serve.streams import batches
+    from flagserve.entrypoints.openai.engine_client import EngineChunk
+    from flagserve.entrypoints.openai.responses import ChatFormat, CompletionFormat, Header
+    from flagserve.entrypoints.openai.streams import batches
 
     def chunk(text, index=0, finish=None):
-        return EngineChunk([ChoiceDelta(index, text, [ord(c) for c in text], None, finish, None)],
+        return EngineChunk([CompletionOutput(index, text, [ord(c) for c in text], None, None, finish)],
                            3, 0, finish is not None)
 
     async def stream(*chunks, pause=False):
@@ -161,7 +161,7 @@ def test_chunks_that_arrive_together_leave_as_one_sse_event():
 
 
 def test_engine_stream_error_after_a_batch_is_raised():
-    from flagserve.serve.streams import batches
+    from flagserve.entrypoints.openai.streams import batches
 
     async def broken():
         yield 1

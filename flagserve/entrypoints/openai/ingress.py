@@ -2,9 +2,9 @@
 
 Per request: authorize, validate, route by `model`, run the model's user modules, tokenize
 (here, or in the tokenizer deployment when the config asks for one), then one stream from the
-engine: in this process when the engine lives here (deploy.ingress: engine), else one
-streaming call to the engine deployment (engine_client.py). What the engine streams back is
-written as SSE events, one per batch of chunks that arrived together (streams.batches).
+engine through its EngineClient (engine_client.py): in this process when the engine lives
+here (deploy.ingress: engine), else one streaming call to the engine deployment. What the
+engine streams back is written as SSE events, one per batch of chunks that arrived together (streams.batches).
 Responses follow vLLM's OpenAI server: /v1/completions, /v1/chat/completions, /v1/models,
 /health, /metrics.
 
@@ -27,15 +27,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from flagserve.serve.api import build_api
-from flagserve.serve.engine_client import EngineClient, LocalEngine, engine_client
-from flagserve.serve.formatters import ChatFormat, CompletionFormat, sse_response
-from flagserve.serve.http_server import DirectHTTPServer
-from flagserve.serve.messages import EngineChunk, EngineRequest, ModelInfo
-from flagserve.serve.openai_format import Header, OpenAIError, error_message
-from flagserve.serve.protocol import ChatCompletionRequest, CompletionRequest
-from flagserve.serve.streams import batches, cancel_on_close, prepend
-from flagserve.serve.tokenizer import PromptTokenizer
+from flagserve.entrypoints.openai.api import build_api
+from flagserve.entrypoints.openai.engine_client import (EngineChunk, EngineClient, EngineRequest,
+                                                        EngineSource, ModelInfo)
+from flagserve.entrypoints.openai.errors import OpenAIError, error_message
+from flagserve.entrypoints.openai.http_server import DirectHTTPServer
+from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from flagserve.entrypoints.openai.responses import (ChatFormat, CompletionFormat, Header,
+                                                    sse_response)
+from flagserve.entrypoints.openai.streams import batches, cancel_on_close, prepend
+from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -45,7 +46,7 @@ HEALTH_TIMEOUT_S = 10.0
 class ModelRoute:
     module_id: str
     names: list[str]  # values of `model` that select this module
-    engine: Any  # DeploymentHandle of the engine deployment, or a LocalEngineSpec: build it here
+    engine: EngineSource  # connected in this replica: the engine in process, or a deployment
     tokenizer_path: str
     tokenizer: Any  # DeploymentHandle of the tokenizer deployment; None: tokenize here
     preprocessors: list[tuple[str, Any]]  # user modules, dependencies first
@@ -61,7 +62,7 @@ class OpenAIIngress:
         self.api_key = api_key
         self.metrics_hub = metrics_hub
         self.infos: dict[str, ModelInfo] = {}
-        self.engines: dict[str, EngineClient] = {r.module_id: engine_client(r.engine, metrics_hub)
+        self.engines: dict[str, EngineClient] = {r.module_id: r.engine.connect(metrics_hub)
                                                  for r in routes}
         # In-process tokenizers (no Ray Serve hop before the engine call).
         self.tokenizers = {r.module_id: PromptTokenizer(r.tokenizer_path)
@@ -79,8 +80,7 @@ class OpenAIIngress:
         if self.http is not None:
             await self.http.stop()
         for engine in self.engines.values():
-            if isinstance(engine, LocalEngine):
-                engine.shutdown()
+            engine.shutdown()
 
     # plumbing
 
@@ -198,8 +198,7 @@ class OpenAIIngress:
         if self.http is not None and self.http.task is not None and not self.http.alive:
             raise RuntimeError(f"the HTTP server on {self.http.host}:{self.http.port} stopped")
         for engine in self.engines.values():
-            if isinstance(engine, LocalEngine):
-                await engine.check_health()
+            await engine.check_health()
 
     # routes
 

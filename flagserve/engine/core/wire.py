@@ -14,7 +14,7 @@ from typing import Any
 
 from flagserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flagserve.engine.stats import EngineStats
-from flagserve.serve.engine_loop import StepResult
+from flagserve.engine.core.loop import StepResult
 
 
 def _logprobs(lps: list[dict[int, Logprob]] | None) -> list[dict[int, tuple]] | None:

@@ -1,18 +1,13 @@
-"""The engine in a child process of its replica (vLLM V1's EngineCore, in small).
+"""EngineProcess: the step loop in a child process of its replica (why: __init__.py).
 
-Why: in one process the step loop and the replica's event loop (HTTP, SSE, Ray Serve) share
-the GIL. Every torch op releases and retakes it, so a busy event loop stretches each step
-(measured: a 0.48 ms decode step took 1.0-1.5 ms under the serving benchmark). In its own
-process the loop steps at full speed and its replica gets one message per step.
-
-    replica  EngineProcess: spawns `python -m flagserve.serve.engine_core FD`; a writer
+    replica  EngineProcess: spawns `python -m flagserve.engine.core.process FD`; a writer
              thread sends the commands (AddRequest, AbortRequest, Shutdown) and a reader
              thread hands the StepResults to the event loop
     child    main(): builds LLMEngine, answers CoreReady (or CoreFailed), then run_steps
 
-Messages are pickled over a socketpair (multiprocessing.connection framing); the
-per-step results as plain tuples (engine_wire.py). The child
-exits when its replica goes away: a closed socket ends the loop at the next step.
+Messages are pickled over a socketpair (multiprocessing.connection framing); the per-step
+results as plain tuples (wire.py). The child exits when its replica goes away: a closed
+socket ends the loop at the next step.
 """
 from __future__ import annotations
 
@@ -32,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from flagserve.engine.stats import EngineStats
-from flagserve.serve import engine_wire
-from flagserve.serve.engine_loop import Command, EngineDeadError, StepResult, run_steps
+from flagserve.engine.core import wire
+from flagserve.engine.core.loop import Command, EngineDeadError, StepResult, run_steps
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding flagserve/
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding flagserve/
 
 
 @dataclass
@@ -58,14 +53,14 @@ class Shutdown:
 
 
 class EngineProcess:
-    """run_steps in a child process; the EngineCore interface of engine_loop.py."""
+    """run_steps in a child process; an EngineCore (interface.py)."""
 
     def __init__(self, engine_args: Any):
         parent, child = Pipe(duplex=True)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flagserve.serve.engine_core", str(child.fileno())],
+            [sys.executable, "-m", "flagserve.engine.core.process", str(child.fileno())],
             pass_fds=(child.fileno(),), env=env)
         child.close()
         self.conn: Connection = parent
@@ -106,7 +101,7 @@ class EngineProcess:
                     msg = _recv(self.conn)
                     if isinstance(msg, CoreFailed):
                         raise EngineDeadError(f"the engine process failed:\n{msg.error}")
-                    on_result(engine_wire.decode(msg))
+                    on_result(wire.decode(msg))
             except (EOFError, OSError):
                 if not self._stopping:
                     self._dead(on_result, EngineDeadError(
@@ -168,7 +163,7 @@ def _send(conn: Connection, msg: CoreReady | CoreFailed) -> None:
 
 
 def _recv(conn: Connection) -> Any:
-    """What the child sent: CoreReady, CoreFailed, or a step result in engine_wire's tuples."""
+    """What the child sent: CoreReady, CoreFailed, or a step result in wire.py's tuples."""
     return pickle.loads(conn.recv_bytes())
 
 
@@ -203,7 +198,7 @@ def main(argv: list[str]) -> int:
         return commands
 
     try:
-        run_steps(engine, receive, lambda result: conn.send_bytes(engine_wire.encode(result)),
+        run_steps(engine, receive, lambda result: conn.send_bytes(wire.encode(result)),
                   lambda: stopping)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the replica went away while a result was being sent
@@ -221,6 +216,6 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     # Run the imported module's main, not this __main__ copy: what it sends must unpickle as
-    # flagserve.serve.engine_core.CoreReady etc. in the replica.
-    from flagserve.serve.engine_core import main as module_main
+    # flagserve.engine.core.process.CoreReady etc. in the replica.
+    from flagserve.engine.core.process import main as module_main
     sys.exit(module_main(sys.argv[1:]))

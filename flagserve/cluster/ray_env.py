@@ -1,4 +1,5 @@
-"""Ray Serve settings every serving process starts with (each can be overridden in
+"""The Ray environment of an experiment: token authentication, the object store size, and
+the Ray Serve settings every serving process starts with (each can be overridden in
 `experiment.envs`, or in the environment run.py is started from).
 
 All four are Ray Serve's own switches, the non-experimental part of what Ray's
@@ -23,3 +24,18 @@ SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
 }
+
+OBJECT_STORE_BYTES = 256 * 2**20  # Serve moves small messages; don't reserve GBs of /dev/shm
+
+
+def token_auth_env(token_path: str) -> dict[str, str]:
+    """Ray token authentication with a token of this experiment only (never ~/.ray/auth_token,
+    which every Ray user of the machine shares): only holders of exp_dir can join or connect."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
+
+
+def env_value(value: object) -> str:
+    """An `experiment.envs` value as an environment string (YAML booleans as 1/0)."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)

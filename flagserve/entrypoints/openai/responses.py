@@ -1,35 +1,122 @@
 """Engine chunks -> OpenAI response bodies and SSE events, for completions and chat.
 
-Streams take batches of (prompt index, chunk) (streams.batches) and write one SSE event
-per batch: the chunks of one choice in a batch are merged into one delta, and every choice
-with something to say goes into the same event (`choices` is a list in OpenAI's format)."""
+Plain dicts, not pydantic models: this runs once per streamed chunk. Streams take batches of
+(prompt index, chunk) (streams.batches) and write one SSE event per batch: the chunks of one
+choice in a batch are merged into one delta, and every choice with something to say goes
+into the same event (`choices` is a list in OpenAI's format)."""
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from flagserve.serve.engine_loop import EngineDeadError
-from flagserve.serve.messages import ChoiceDelta, EngineChunk, merge_choice
-from flagserve.serve.openai_format import (CompletionLogprobs, Header, OpenAIError, Usage,
-                                           chat_choice, chat_logprobs, completion_choice,
-                                           engine_dead_message, error_message, sse)
+from flagserve.engine.core.loop import EngineDeadError
+from flagserve.engine.outputs import CompletionOutput, SampleLogprobs, merge_completion
+from flagserve.entrypoints.openai.engine_client import EngineChunk
+from flagserve.entrypoints.openai.errors import OpenAIError, engine_dead_message, error_message
 
 log = logging.getLogger(__name__)
 Batches = AsyncIterator[list[tuple[int, EngineChunk]]]
 
 
-def _merged(batch: list[tuple[int, EngineChunk]]) -> dict[tuple[int, int], ChoiceDelta]:
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def body(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class Header:
+    """Fields every response and chunk of one request repeats."""
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, object_: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+
+# Completions (legacy) logprobs: parallel lists.
+@dataclass
+class CompletionLogprobs:
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def add(self, entries: SampleLogprobs, token_ids: list[int], offset: int, top_n: int) -> None:
+        for tid, entry in zip(token_ids, entries):
+            chosen = entry[tid]
+            text = chosen.decoded_token or ""
+            self.tokens.append(text)
+            self.token_logprobs.append(chosen.logprob)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+            self.top_logprobs.append({(lp.decoded_token or ""): lp.logprob
+                                      for _, lp in ranked[:max(top_n, 0)] if lp.rank})
+            self.text_offset.append(offset)
+            offset += len(text)
+
+    def body(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+
+
+def chat_logprobs(entries: SampleLogprobs, token_ids: list[int], top_n: int) -> list[dict]:
+    out = []
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry[tid]
+        ranked = sorted((lp for lp in entry.values() if lp.rank), key=lambda lp: lp.rank)
+        out.append({**_token(chosen.decoded_token, chosen.logprob),
+                    "top_logprobs": [_token(lp.decoded_token, lp.logprob) for lp in ranked[:top_n]]})
+    return out
+
+
+def _token(text: str | None, logprob: float) -> dict[str, Any]:
+    text = text or ""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def completion_choice(index: int, delta: CompletionOutput, logprobs: dict | None) -> dict[str, Any]:
+    return {"index": index, "text": delta.text, "logprobs": logprobs,
+            "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+
+
+def chat_choice(index: int, text: str, delta: CompletionOutput, logprobs: list | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": {"content": logprobs} if logprobs is not None else None,
+            "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+
+
+def _merged(batch: list[tuple[int, EngineChunk]]) -> dict[tuple[int, int], CompletionOutput]:
     """(prompt, choice index) -> the choice's deltas in this batch as one, in arrival order."""
-    deltas: dict[tuple[int, int], ChoiceDelta] = {}
+    deltas: dict[tuple[int, int], CompletionOutput] = {}
     for prompt, chunk in batch:
         for d in chunk.choices:
             key = (prompt, d.index)
             prev = deltas.get(key)
-            deltas[key] = d if prev is None else merge_choice(prev, d)
+            deltas[key] = d if prev is None else merge_completion(prev, d)
     return deltas
+
+
+def _worth_sending(delta: CompletionOutput, logprobs: int | None) -> bool:
+    # Tokens whose text is held back (a partial stop string) are sent with their text.
+    return bool(delta.text or delta.finish_reason or (logprobs is not None and delta.token_ids))
 
 
 class CompletionFormat:
@@ -55,17 +142,13 @@ class CompletionFormat:
         self.offsets[index] = self.offsets.get(index, 0) + len(delta.text)
         return completion_choice(index, delta, lp)
 
-    def _worth_sending(self, d: Any) -> bool:
-        # Tokens whose text is held back (a partial stop string) are sent with their text.
-        return bool(d.text or d.finish_reason or (self.logprobs is not None and d.token_ids))
-
     async def stream(self, batches: Batches, include_usage: bool) -> AsyncIterator[str]:
         seen: set[int] = set()
         async for batch in batches:
             for prompt, chunk in batch:
                 self._account(chunk, seen, prompt)
             choices = [self._choice(prompt, d) for (prompt, _), d in _merged(batch).items()
-                       if self._worth_sending(d)]
+                       if _worth_sending(d, self.logprobs)]
             if choices:
                 yield sse(self.header.body("text_completion", choices))
         if include_usage:
@@ -107,7 +190,7 @@ class ChatFormat:
                 self._account(chunk)
             choices = []
             for d in _merged(batch).values():
-                if not (d.text or d.finish_reason or (self.top is not None and d.token_ids)):
+                if not _worth_sending(d, self.top):
                     continue
                 lp = self._logprobs(d)
                 choices.append({"index": d.index, "delta": {"content": d.text} if d.text else {},

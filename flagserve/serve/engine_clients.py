@@ -1,40 +1,20 @@
-"""How the ingress talks to an engine: in its own process, or over a Ray Serve handle.
+"""The two EngineClients of the ingress (entrypoints/openai/engine_client.py), and the sources
+the serving graph binds into the ingress to build one in its replica.
 
     LocalEngine   the engine lives in the ingress replica (deploy.ingress: engine, the default
                   for one LLM module): a request's tokens reach the HTTP response through an
                   asyncio queue, with no Ray hop and no serialization on the way.
     RemoteEngine  the engine is a deployment of its own (<id>-engine): one streaming Serve
                   call per request.
-
-Both give the ingress the same three calls; `generate` returns an async iterator of
-EngineChunk that aborts the request in the engine when it is cancelled or closed early.
 """
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from flagserve.serve.messages import EngineChunk, EngineRequest, ModelInfo
-
-
-@dataclass
-class LocalEngineSpec:
-    """What an ingress needs to build its own engine (the arguments of EngineDeployment)."""
-    module_id: str
-    model_name: str
-    engine_args: dict[str, Any]
-    engine_core: str  # process | thread: where the step loop runs
-
-
-class EngineClient(Protocol):
-    async def info(self) -> ModelInfo: ...
-
-    async def ping(self) -> bool: ...
-
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]: ...
-
-    def cancel(self, stream: AsyncIterator[EngineChunk]) -> None: ...
+from flagserve.entrypoints.openai.engine_client import (EngineChunk, EngineClient,
+                                                        EngineRequest, ModelInfo)
 
 
 class RemoteEngine:
@@ -53,6 +33,12 @@ class RemoteEngine:
 
     def cancel(self, stream: Any) -> None:
         stream.cancel()  # Serve cancels the replica's generator: the engine aborts the request
+
+    async def check_health(self) -> None:
+        """The engine deployment has a health check of its own."""
+
+    def shutdown(self) -> None:
+        """The engine deployment is stopped by Serve."""
 
 
 class LocalEngine:
@@ -79,10 +65,23 @@ class LocalEngine:
         self.server.shutdown()
 
 
-def engine_client(engine: Any, metrics_hub: Any) -> EngineClient:
-    """The client for a route's engine: a LocalEngineSpec is built here, in this process."""
-    if isinstance(engine, LocalEngineSpec):
+@dataclass
+class LocalEngineSpec:
+    """An engine to build in the ingress replica (the arguments of EngineDeployment)."""
+    module_id: str
+    model_name: str
+    engine_args: dict[str, Any]
+    engine_core: str  # process | thread: where the step loop runs
+
+    def connect(self, metrics_hub: Any) -> EngineClient:
         from flagserve.serve.engine_deployment import EngineDeployment  # heavy: torch
-        return LocalEngine(EngineDeployment(engine.module_id, engine.model_name,
-                                            engine.engine_args, metrics_hub, engine.engine_core))
-    return RemoteEngine(engine)
+        return LocalEngine(EngineDeployment(self.module_id, self.model_name, self.engine_args,
+                                            metrics_hub, self.engine_core))
+
+
+@dataclass
+class RemoteEngineSpec:
+    handle: Any  # the engine deployment, bound; Serve hands the replica a DeploymentHandle
+
+    def connect(self, metrics_hub: Any) -> EngineClient:
+        return RemoteEngine(self.handle)

@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from flagserve.serve.engine_loop import EngineDeadError
-from flagserve.serve.openai_format import OpenAIError, engine_dead_message
+from flagserve.engine.core.loop import EngineDeadError
+from flagserve.entrypoints.openai.errors import OpenAIError, engine_dead_message
 
 log = logging.getLogger(__name__)
 ROUTES = (("GET", "/health", "health"), ("GET", "/v1/models", "models"),

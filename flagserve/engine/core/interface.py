@@ -1,0 +1,36 @@
+"""The EngineCore interface: where the step loop runs, chosen once per replica."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from flagserve.engine.core.loop import Command, EngineDeadError, StepResult
+from flagserve.engine.stats import EngineStats
+
+
+class EngineCore(Protocol):
+    """Where run_steps runs: a thread of this process, or a child process."""
+    max_model_len: int
+    vocab_size: int
+    stats: EngineStats  # as of construction
+
+    def start(self, on_result: Callable[[StepResult | EngineDeadError], None]) -> None:
+        """Start stepping; on_result is called (on another thread) with every StepResult,
+        and once with an EngineDeadError if the loop dies."""
+
+    def send(self, command: Command) -> None: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+def make_core(engine_args: Any, where: str) -> EngineCore:
+    """The step loop in a child process (`process`) or on a thread of this one (`thread`)."""
+    if where == "process":
+        from flagserve.engine.core.process import EngineProcess
+        return EngineProcess(engine_args)
+    from flagserve.engine.core.thread import EngineThread
+    from flagserve.engine.llm_engine import LLMEngine  # heavy: torch, the model
+    return EngineThread(LLMEngine(engine_args))

@@ -1,0 +1,63 @@
+"""What crosses the ingress <-> engine hop, and the one interface the ingress calls.
+
+One request in (EngineRequest), a stream of merged deltas out (EngineChunk). The engine may
+live in the ingress's own process or be a deployment of its own; the serving graph decides
+and hands the ingress an EngineClient either way (flagserve/serve/engine_clients.py).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from flagserve.engine.outputs import CompletionOutput
+from flagserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool  # False: the engine sends one chunk, when the request finishes
+    arrival_time: float
+
+
+@dataclass
+class EngineChunk:
+    choices: list[CompletionOutput]  # DELTA outputs: what each choice produced since the last chunk
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool
+
+
+@dataclass
+class ModelInfo:
+    module_id: str
+    model_name: str
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+
+
+class EngineClient(Protocol):
+    async def info(self) -> ModelInfo: ...
+
+    async def ping(self) -> bool: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """Chunks of one request; cancelling or closing the iterator early aborts it."""
+
+    def cancel(self, stream: Any) -> None:
+        """Abort the request behind `stream` (a generate() result) whose consumer was cancelled."""
+
+    async def check_health(self) -> None:
+        """Raise if the engine behind this client is dead and the replica must restart."""
+
+    def shutdown(self) -> None: ...
+
+
+class EngineSource(Protocol):
+    """How a route reaches its engine; connected once, in the ingress replica."""
+
+    def connect(self, metrics_hub: Any) -> EngineClient: ...
