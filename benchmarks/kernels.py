@@ -131,7 +131,7 @@ def fits(bytes_needed: int, device) -> bool:
 def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
                 peak_gbps: float | None) -> dict | None:
     """One decode shape; its tensors are freed when this returns."""
-    from kernels.decode_attention import paged_decode_attention_triton
+    from kernels.triton_decode_attention import paged_decode_attention_triton
     elem = torch.empty((), dtype=dtype).element_size()
     kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * elem
     if not fits(kv_bytes, device):
@@ -193,7 +193,7 @@ def causal_flops(q_len: int, kv_len: int, num_heads: int, head_dim: int) -> floa
 
 def prefill_case(args, shape: Shape, batch: int, q_len: int, cached: int, dtype, device) -> dict:
     """`batch` sequences of `q_len` new tokens after `cached` cached ones."""
-    from kernels.prefill_attention import paged_prefill_attention_triton
+    from kernels.triton_prefill_attention import paged_prefill_attention_triton
     scale = shape.head_dim ** -0.5
     kv_len = q_len + cached
     k_cache, v_cache, tables = random_paged_cache(batch, kv_len, shape, dtype, device)

@@ -93,11 +93,3 @@ def get_ops(backend: str, device: torch.device | str) -> KernelOps:
     if torch.device(device).type != "cuda":
         check_interpreted()
     return TRITON_OPS
-
-
-def __getattr__(name: str):
-    # `from kernels.backend import TRITON_OPS` works, but only that import pulls in triton.
-    if name == "TRITON_OPS":
-        from kernels.triton_ops import TRITON_OPS
-        return TRITON_OPS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

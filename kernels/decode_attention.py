@@ -53,12 +53,3 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         out[idx] = _attend(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx],
                            lens[rows[-1]], scale)
     return out
-
-
-def __getattr__(name: str):
-    # The Triton version (triton_decode_attention.py) is imported on first use only: importing the
-    # reference must not import triton, which fixes interpreter mode at kernel definition.
-    if name in ("paged_decode_attention_triton",):
-        from kernels import triton_decode_attention
-        return getattr(triton_decode_attention, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

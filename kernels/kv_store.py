@@ -15,12 +15,3 @@ def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
     slots = slot_mapping[valid]
     k_flat[slots] = key[valid]
     v_flat[slots] = value[valid]
-
-
-def __getattr__(name: str):
-    # The Triton version (triton_kv_store.py) is imported on first use only: importing the
-    # reference must not import triton, which fixes interpreter mode at kernel definition.
-    if name in ("store_kvcache_triton",):
-        from kernels import triton_kv_store
-        return getattr(triton_kv_store, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

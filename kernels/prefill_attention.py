@@ -36,12 +36,3 @@ def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[q_start:q_end] = o[0].transpose(0, 1)
     return out
-
-
-def __getattr__(name: str):
-    # The Triton version (triton_prefill_attention.py) is imported on first use only: importing the
-    # reference must not import triton, which fixes interpreter mode at kernel definition.
-    if name in ("paged_prefill_attention_triton",):
-        from kernels import triton_prefill_attention
-        return getattr(triton_prefill_attention, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

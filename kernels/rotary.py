@@ -25,12 +25,3 @@ def rotary_embedding_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     _rotate_(q, cos, sin)
     _rotate_(k, cos, sin)
-
-
-def __getattr__(name: str):
-    # The Triton version (triton_rotary.py) is imported on first use only: importing the
-    # reference must not import triton, which fixes interpreter mode at kernel definition.
-    if name in ("rotary_embedding_triton",):
-        from kernels import triton_rotary
-        return getattr(triton_rotary, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

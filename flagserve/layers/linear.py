@@ -28,11 +28,6 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, 0, 1)
-
-
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1):

@@ -19,12 +19,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import kernels.triton_ops  # noqa: E402,F401  (imports every kernel module)
-from kernels.activation import silu_and_mul_triton  # noqa: E402
-from kernels.decode_attention import paged_decode_attention_triton  # noqa: E402
-from kernels.kv_store import store_kvcache_triton  # noqa: E402
-from kernels.prefill_attention import paged_prefill_attention_triton  # noqa: E402
-from kernels.rms_norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from kernels.rotary import rotary_embedding_triton  # noqa: E402
+from kernels.triton_activation import silu_and_mul_triton  # noqa: E402
+from kernels.triton_decode_attention import paged_decode_attention_triton  # noqa: E402
+from kernels.triton_kv_store import store_kvcache_triton  # noqa: E402
+from kernels.triton_prefill_attention import paged_prefill_attention_triton  # noqa: E402
+from kernels.triton_rms_norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from kernels.triton_rotary import rotary_embedding_triton  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",

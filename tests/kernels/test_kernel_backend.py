@@ -56,7 +56,7 @@ def test_torch_only_imports_stay_cheap():
 
 
 def test_kernels_imported_before_interpreter_switch():
-    code = ("import os; from kernels.rms_norm import rms_norm_triton;"
+    code = ("import os; from kernels.triton_rms_norm import rms_norm_triton;"
             "os.environ['TRITON_INTERPRET'] = '1'; from kernels import get_ops\n"
             "try: get_ops('triton', 'cpu')\n"
             "except ValueError as e: print(e)")
@@ -70,7 +70,7 @@ def test_chunked_prefill_then_decode_through_ops(dtype):
     engine's call order (store, then attend), Triton ops against torch ops."""
     triton_ops = get_ops("triton", DEVICE)
     assert triton_ops.name == "triton"
-    from kernels.backend import TRITON_OPS
+    from kernels.triton_ops import TRITON_OPS
     assert triton_ops is TRITON_OPS
     block_size, kv_heads, q_heads, head_dim = 16, 2, 8, 64
     _, _, table = make_paged_cache([60, 60], block_size, kv_heads, head_dim, dtype)

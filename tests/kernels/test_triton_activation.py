@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES
-from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from kernels.activation import silu_and_mul_torch
+from kernels.triton_activation import silu_and_mul_triton
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from kernel_cases import ATTN_TOL, DEVICE, DTYPES, clean, make_paged_cache
-from kernels.decode_attention import paged_decode_attention_torch, paged_decode_attention_triton
+from kernels.decode_attention import paged_decode_attention_torch
+from kernels.triton_decode_attention import paged_decode_attention_triton
 
 # From a single token to several hundred, on both sides of block and tile (64) boundaries.
 SEQ_LENS = [1, 2, 15, 16, 17, 33, 64, 65, 130, 300, 511]

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES
-from kernels.kv_store import store_kvcache_torch, store_kvcache_triton
+from kernels.kv_store import store_kvcache_torch
+from kernels.triton_kv_store import store_kvcache_triton
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from kernel_cases import ATTN_TOL, DEVICE, DTYPES, clean, make_paged_cache
-from kernels.prefill_attention import (paged_prefill_attention_torch,
-                                       paged_prefill_attention_triton)
+from kernels.prefill_attention import paged_prefill_attention_torch
+from kernels.triton_prefill_attention import paged_prefill_attention_triton
 
 NUM_KV_HEADS = 2
 # (cached tokens, new tokens) per sequence: new prefills, chunked prefills / prefix-cache hits

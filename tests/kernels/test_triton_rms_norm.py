@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES
-from kernels.rms_norm import (fused_add_rms_norm_torch, fused_add_rms_norm_triton,
-                              rms_norm_torch, rms_norm_triton)
+from kernels.rms_norm import fused_add_rms_norm_torch, rms_norm_torch
+from kernels.triton_rms_norm import fused_add_rms_norm_triton, rms_norm_triton
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
 

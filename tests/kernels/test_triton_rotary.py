@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES
-from kernels.rotary import rotary_embedding_torch, rotary_embedding_triton
+from kernels.rotary import rotary_embedding_torch
+from kernels.triton_rotary import rotary_embedding_triton
 
 TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
 
