@@ -2,6 +2,9 @@
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
+
+from flagserve.layers.rotary import RopeConfig, RopeType
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -9,17 +12,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -50,8 +42,9 @@ def _rope_config(cfg: dict) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"config.json rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    if rope_type not in get_args(RopeType):
+        raise ValueError(f"config.json rope type {rope_type!r} is not supported; "
+                         f"supported: {get_args(RopeType)}")
     fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                       "original_max_position_embeddings") if k in params}
     return RopeConfig(theta=float(theta), rope_type=rope_type, **fields)
