@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv serve stop offline test bench clean-venv
+.PHONY: venv serve stop offline lint test bench bench-serve clean-venv
 
 venv: $(VENV)/.installed
 
@@ -30,7 +30,13 @@ stop: venv
 offline: venv
 	$(PY) examples/offline_inference.py
 
-test: venv
+# The guards of the tree's shape: ruff (pyproject [tool.ruff]) and the import layers
+# (pyproject [tool.importlinter]: modules import downward only).
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
+
+test: lint
 	$(PY) -m pytest -q tests
 
 bench: venv
