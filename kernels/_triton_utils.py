@@ -11,7 +11,7 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; a nominal 8 on CPU (interpreter runs)."""
     if device.type == "cuda":

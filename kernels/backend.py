@@ -11,8 +11,8 @@ kernels: `TRITON_INTERPRET=1 FLAGSERVE_KERNEL_BACKEND=triton ...`.
 Triton is imported lazily: a torch-only install can import `kernels` and use the reference.
 """
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

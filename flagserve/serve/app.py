@@ -23,10 +23,9 @@ from typing import Any
 from ray import serve
 from ray.serve.deployment import Application
 
-from flagserve.config.schema import Config, LLMModule, ResourcesConfig
-from flagserve.config.validate import (direct_http, engine_args_for, ingress_in_engine,
-                                       served_names, uses_gpu)
 from flagserve.config.hostfile import Host
+from flagserve.config.schema import Config, LLMModule, ResourcesConfig
+from flagserve.config.validate import direct_http, engine_args_for, ingress_in_engine, served_names, uses_gpu
 from flagserve.entrypoints.openai.ingress import ModelRoute, OpenAIIngress
 from flagserve.serve.engine_clients import LocalEngineSpec, RemoteEngineSpec
 from flagserve.serve.engine_deployment import EngineDeployment

@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from flagserve.entrypoints.openai.engine_client import (EngineChunk, EngineClient,
-                                                        EngineRequest, ModelInfo)
+from flagserve.entrypoints.openai.engine_client import EngineChunk, EngineClient, EngineRequest, ModelInfo
 
 
 class RemoteEngine:

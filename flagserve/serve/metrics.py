@@ -10,8 +10,7 @@ import bisect
 import threading
 from dataclasses import dataclass, field
 
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 

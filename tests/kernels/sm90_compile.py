@@ -42,7 +42,7 @@ def _compile(fn, args: tuple, kwargs: dict) -> str:
     """Specialise like the JIT does (16-byte alignment / divisibility), compile, report."""
     constexprs = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
     signature, attrs = {}, {}
-    for i, (name, value) in enumerate(zip([n for n in fn.arg_names if n not in constexprs], args)):
+    for name, value in zip([n for n in fn.arg_names if n not in constexprs], args):
         index = fn.arg_names.index(name)
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + TYPES[value.dtype]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kernel_cases import ATTN_TOL, DEVICE, DTYPES, make_paged_cache
+
 from kernels import get_ops, resolve_backend
 from kernels.backend import BACKEND_ENV, INTERPRET_ENV, TORCH_OPS
 

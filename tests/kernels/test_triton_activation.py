@@ -1,8 +1,8 @@
 """SiLU-and-multiply against the reference (same roundings; exp may differ by 1 ulp)."""
 import pytest
 import torch
-
 from kernel_cases import DEVICE, DTYPES
+
 from kernels.activation import silu_and_mul_torch
 from kernels.triton_activation import silu_and_mul_triton
 

@@ -1,8 +1,8 @@
 """Paged decode attention (flash-decoding) against the torch reference."""
 import pytest
 import torch
-
 from kernel_cases import ATTN_TOL, DEVICE, DTYPES, clean, make_paged_cache
+
 from kernels.decode_attention import paged_decode_attention_torch
 from kernels.triton_decode_attention import paged_decode_attention_triton
 

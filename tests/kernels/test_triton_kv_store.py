@@ -1,8 +1,8 @@
 """KV store: a pure copy, so the Triton cache must equal the reference cache exactly."""
 import pytest
 import torch
-
 from kernel_cases import DEVICE, DTYPES
+
 from kernels.kv_store import store_kvcache_torch
 from kernels.triton_kv_store import store_kvcache_triton
 

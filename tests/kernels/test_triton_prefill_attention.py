@@ -1,8 +1,8 @@
 """Paged prefill / extend attention against the torch reference."""
 import pytest
 import torch
-
 from kernel_cases import ATTN_TOL, DEVICE, DTYPES, clean, make_paged_cache
+
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.triton_prefill_attention import paged_prefill_attention_triton
 

@@ -5,8 +5,8 @@ the sum of squares differs, which can flip the last bit of a 16-bit result (1 ul
 """
 import pytest
 import torch
-
 from kernel_cases import DEVICE, DTYPES
+
 from kernels.rms_norm import fused_add_rms_norm_torch, rms_norm_torch
 from kernels.triton_rms_norm import fused_add_rms_norm_triton, rms_norm_triton
 

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-
 from kernel_cases import DEVICE, DTYPES
+
 from kernels.rotary import rotary_embedding_torch
 from kernels.triton_rotary import rotary_embedding_triton
 

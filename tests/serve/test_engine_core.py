@@ -8,12 +8,12 @@ import signal
 
 import pytest
 
-from flagserve.engine.engine_args import EngineArgs
-from flagserve.engine.sampling_params import SamplingParams
-from flagserve.entrypoints.llm import LLM
 from flagserve.engine.async_engine import AsyncEngine
 from flagserve.engine.core.loop import EngineDeadError
 from flagserve.engine.core.process import EngineProcess
+from flagserve.engine.engine_args import EngineArgs
+from flagserve.engine.sampling_params import SamplingParams
+from flagserve.entrypoints.llm import LLM
 
 
 def _args(model: str) -> EngineArgs:
@@ -87,11 +87,10 @@ def test_engine_process_reports_load_failure(tmp_path):
 def test_wire_round_trips_every_field():
     import dataclasses
 
-    from flagserve.engine.outputs import (CompletionOutput, Logprob, RequestMetrics,
-                                          RequestOutput)
-    from flagserve.engine.stats import EngineStats
     from flagserve.engine.core import wire as engine_wire
     from flagserve.engine.core.loop import StepResult
+    from flagserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from flagserve.engine.stats import EngineStats
 
     # Every field set to a distinct non-default value, so a field the wire drops shows.
     def filled(cls, **given):

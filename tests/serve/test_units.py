@@ -7,10 +7,10 @@ import time
 import pytest
 
 from flagserve.config.hostfile import HostfileError, parse_hostfile
-from flagserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from flagserve.engine.stats import EngineStats
 from flagserve.engine.async_engine import AsyncEngine
 from flagserve.engine.core.thread import EngineThread
+from flagserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from flagserve.engine.stats import EngineStats
 from flagserve.serve.metrics import EngineMetrics, render
 
 
@@ -91,7 +91,8 @@ def test_async_engine_streams_errors_and_aborts():
         assert fake.aborted == ["cut"]
 
     async def collect(rid, prompt=(1,)):
-        return "".join([o.outputs[0].text async for o in engine.generate(rid, list(prompt), SamplingParams())])
+        outs = [o async for o in engine.generate(rid, list(prompt), SamplingParams())]
+        return "".join(o.outputs[0].text for o in outs)
 
     try:
         asyncio.run(main())

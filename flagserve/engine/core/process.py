@@ -11,6 +11,7 @@ socket ends the loop at the next step.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -26,9 +27,9 @@ from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any
 
-from flagserve.engine.stats import EngineStats
 from flagserve.engine.core import wire
 from flagserve.engine.core.loop import Command, EngineDeadError, StepResult, run_steps
+from flagserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
@@ -204,10 +205,8 @@ def main(argv: list[str]) -> int:
         pass  # the replica went away while a result was being sent
     except BaseException:  # noqa: BLE001 - the replica's health check fails on it
         log.exception("engine step loop failed")
-        try:
+        with contextlib.suppress(OSError):  # the replica is gone: nobody to tell
             _send(conn, CoreFailed(traceback.format_exc()))
-        except OSError:
-            pass
         return 1
     finally:
         engine.shutdown()

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+from flagserve.engine.core.loop import StepResult
 from flagserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flagserve.engine.stats import EngineStats
-from flagserve.engine.core.loop import StepResult
 
 
 def _logprobs(lps: list[dict[int, Logprob]] | None) -> list[dict[int, tuple]] | None:

@@ -28,13 +28,17 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from flagserve.entrypoints.openai.api import build_api
-from flagserve.entrypoints.openai.engine_client import (EngineChunk, EngineClient, EngineRequest,
-                                                        EngineSource, ModelInfo)
+from flagserve.entrypoints.openai.engine_client import (
+    EngineChunk,
+    EngineClient,
+    EngineRequest,
+    EngineSource,
+    ModelInfo,
+)
 from flagserve.entrypoints.openai.errors import OpenAIError, error_message
 from flagserve.entrypoints.openai.http_server import DirectHTTPServer
 from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from flagserve.entrypoints.openai.responses import (ChatFormat, CompletionFormat, Header,
-                                                    sse_response)
+from flagserve.entrypoints.openai.responses import ChatFormat, CompletionFormat, Header, sse_response
 from flagserve.entrypoints.openai.streams import batches, cancel_on_close, prepend
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 

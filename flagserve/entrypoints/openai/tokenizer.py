@@ -14,10 +14,14 @@ from typing import Any
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer_path: str):
-        from transformers import AutoTokenizer
+    def __init__(self, tokenizer: Any):
+        """`tokenizer`: a HF tokenizer's directory, or the tokenizer itself (the benchmark's
+        in-process baseline encodes with its engine's, exactly as the server would)."""
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = tokenizer
 
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Completions: strings are encoded with the tokenizer's special tokens (BOS), as vLLM."""
