@@ -2,19 +2,9 @@
 the Ray Serve settings every serving process starts with (each can be overridden in
 `experiment.envs`, or in the environment run.py is started from).
 
-All four are Ray Serve's own switches, the non-experimental part of what Ray's
-`RAY_SERVE_THROUGHPUT_OPTIMIZED=1` bundle sets (that bundle also turns on the experimental
-direct ingress, which we leave off). Measured on the default CPU experiment
-(docs/performance.md#serving), together they cut the idle round trip of a 1-token
-completion from about 14 ms to about 5 ms:
-
-- user code runs on the replica's own event loop instead of a second thread, so a streamed
-  item no longer hops between two event loops (and two threads contending for the GIL);
-- the handle's router runs on the caller's event loop instead of a thread of its own, the
-  same hop on the calling side;
-- calls between deployments (ingress -> engine) go over gRPC instead of Ray actor calls;
-- Serve's per-request access log lines are written in batches of 1000 (at once when an
-  error is logged) instead of one write and flush per request.
+The four Serve switches are the non-experimental part of Ray's
+`RAY_SERVE_THROUGHPUT_OPTIMIZED=1` bundle; what each does: README, "The serving graph" (Ray Serve settings);
+what they save: docs/performance.md.
 """
 from __future__ import annotations
 

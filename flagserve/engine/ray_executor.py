@@ -4,8 +4,8 @@ One placement group per model replica, one bundle per device (bundle i = global 
 stage's TP ranks are consecutive and PACK keeps them on one host; `placement_hosts` pins each
 stage to a node). Every step the same StepInput goes to every worker; stages pass activations
 to each other with torch.distributed, and only the sampling shard's reply carries tokens.
-The step goes out through a Ray compiled graph (shared-memory channels, about half the
-latency of actor calls on CPU) when it compiles, else as plain actor calls. Waiting on all
+The step goes out through a Ray compiled graph (shared-memory channels, faster than actor
+calls: docs/performance.md) when it compiles, else as plain actor calls. Waiting on all
 replies (not just the sampler's) makes a failing shard fail the step instead of leaving its
 peers blocked in a collective.
 """

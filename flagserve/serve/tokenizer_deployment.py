@@ -1,8 +1,5 @@
 """The tokenizer as a deployment of its own (`tokenizer.num_replicas >= 1`; default 0: the
-ingress tokenizes). Worth it only when tokenization is heavy enough to stall the ingress's
-event loop, which also writes every SSE stream: very long prompts or an expensive chat
-template. It costs one Ray Serve round trip per request (about 1.5 ms on an idle 2-core CPU
-machine, more under load)."""
+ingress tokenizes). When it is worth its round trip per request: README, "The serving graph"."""
 from __future__ import annotations
 
 from typing import Any

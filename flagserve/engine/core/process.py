@@ -180,7 +180,7 @@ def main(argv: list[str]) -> int:
     _send(conn, CoreReady(engine.max_model_len, engine.model_config.vocab_size, engine.get_stats()))
     stopping = False
     # One poll object for the life of the loop: Connection.poll builds a selector per call,
-    # a few microseconds of every 0.45 ms step.
+    # and this runs every step.
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLIN)
 

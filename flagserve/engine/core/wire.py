@@ -1,11 +1,10 @@
 """StepResult <-> plain tuples, for the engine process's one message per step.
 
-Pickling dataclasses runs Python code per object (copyreg's __reduce_ex__); tuples, lists,
-strings and numbers pickle in C. Right after a step's torch work that Python code runs with
-cold caches: the dataclass form took about 55 us per step of 2 requests against a 0.45 ms
-step (10 us when warm), the tuple form a fraction of it. The fields are positional in
-dataclass field order, so a new field of RequestOutput or CompletionOutput must be added
-on both sides here (tests/serve/test_engine_core.py round-trips every field).
+Pickling dataclasses runs Python code per object (copyreg's __reduce_ex__), with cold caches
+right after a step's torch work; tuples, lists, strings and numbers pickle in C (what it
+saves: docs/performance.md, "Serving"). The fields are positional in dataclass field order,
+so a new field of RequestOutput or CompletionOutput must be added on both sides here
+(tests/serve/test_engine_core.py round-trips every field).
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The replica's own HTTP server (deploy.http_server: replicas): clients reach the ingress
 without Ray Serve's proxy in between.
 
-Through the proxy a request costs two more processes' work and three Ray calls (the request,
-a call back for its body, the streamed response), about 4 ms of a tiny model's time to first
-token on two cores; here it is parsed where it is served. Every replica on a host binds the
-same host:port with SO_REUSEPORT and the kernel spreads new connections across them, as
-Ray Serve's own proxies and vLLM's API servers do.
+Why (the proxy's extra processes and Ray calls per request): README, "The serving graph".
+Every replica on a host binds the same host:port with SO_REUSEPORT and the kernel spreads
+new connections across them, as Ray Serve's own proxies and vLLM's API servers do.
 """
 from __future__ import annotations
 
