@@ -12,8 +12,6 @@ if not torch.cuda.is_available():
 
 from flagserve.models.tiny import make_tiny_model
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):

@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 from flagserve import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
+from flagserve.engine.outputs import FinishReason
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +18,12 @@ def drain(engine: LLMEngine) -> list:
     while engine.has_unfinished():
         outs.extend(engine.step())
     return outs
+
+
+def test_finish_reason_reads_as_its_plain_value():
+    """API bodies (json), metric labels (str) and f-strings see "stop", never the enum name."""
+    for reason in FinishReason:
+        assert json.dumps(reason) == f'"{reason.value}"' and str(reason) == f"{reason}" == reason.value
 
 
 def test_abort_frees_blocks_and_silences_the_request(engine):

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flagserve import LLM, SamplingParams
-from tests.conftest import ARCHS
+from flagserve.models.architectures import ARCHS
 
 NEW_TOKENS = 40
 PROMPTS = [

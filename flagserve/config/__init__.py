@@ -1,4 +1,4 @@
-"""Structured experiment config: schema, FlagScale compatibility, validation."""
+"""Structured experiment config: schema, FlagScale compatibility, validation, derived topology."""
 from flagserve.config.errors import ConfigError
 from flagserve.config.load import parse_config
 from flagserve.config.schema import Config, LLMModule, UserModule

@@ -24,6 +24,9 @@ VLLM_IGNORED = frozenset({
 SERVER_ARGS = {"host": "host", "port": "port", "api_key": "api_key"}
 RENAMED = {"model_tag": "model", "tokenizer_path": "tokenizer"}
 ENGINE_ALIASES = {"vllm": "flagserve"}  # an engine whose configs FlagServe's engine serves
+# FlagScale's experiment.runner.deploy switches that have no counterpart here: use_fs_serve
+# picks between FlagScale's own launcher and Ray Serve, and FlagServe always uses Ray Serve.
+DEPLOY_IGNORED = frozenset({"use_fs_serve"})
 
 
 def normalize(raw: dict[str, Any], engine_arg_names: set[str]) -> tuple[dict[str, Any], list[str]]:
@@ -45,6 +48,7 @@ def normalize(raw: dict[str, Any], engine_arg_names: set[str]) -> tuple[dict[str
         serve[module_id] = _normalize_module(module_id, dict(entry), engine_arg_names,
                                              deploy_moves, notes)
     raw["serve"] = serve
+    _drop_ignored_deploy_keys(raw, notes)
     if deploy_moves:
         _move_to_deploy(raw, deploy_moves, notes)
     return raw, notes
@@ -101,6 +105,19 @@ def _normalize_engine_args(module_id: str, args: dict[str, Any], names: set[str]
     if ignored:
         notes.append(f"serve.{module_id}.engine_args: ignoring vLLM-only {', '.join(ignored)}")
     return out
+
+
+def _drop_ignored_deploy_keys(raw: dict[str, Any], notes: list[str]) -> None:
+    experiment = raw.get("experiment")
+    runner = experiment.get("runner") if isinstance(experiment, dict) else None
+    deploy = runner.get("deploy") if isinstance(runner, dict) else None
+    ignored = sorted(DEPLOY_IGNORED & deploy.keys()) if isinstance(deploy, dict) else []
+    if not ignored:
+        return
+    deploy = {k: v for k, v in deploy.items() if k not in DEPLOY_IGNORED}
+    raw["experiment"] = {**experiment, "runner": {**runner, "deploy": deploy}}
+    notes.append(f"experiment.runner.deploy: ignoring FlagScale-only {', '.join(ignored)} "
+                 "(FlagServe always deploys with Ray Serve)")
 
 
 def _move_to_deploy(raw: dict[str, Any], moves: dict[str, Any], notes: list[str]) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -10,7 +11,7 @@ from omegaconf.errors import OmegaConfBaseException
 from flagserve.config.errors import ConfigError
 from flagserve.config.flagscale import normalize
 from flagserve.config.schema import PARALLEL_ARGS, Config, ExperimentConfig, LLMModule, UserModule
-from flagserve.config.typed import build, unknown_key_error
+from flagserve.config.typed import build, coerce, unknown_key_error
 from flagserve.engine.engine_args import EngineArgs
 
 ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)} | set(PARALLEL_ARGS)
@@ -25,7 +26,8 @@ def to_plain(cfg: DictConfig | dict) -> dict[str, Any]:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         raise ConfigError(str(key), f"cannot be resolved: {getattr(err, 'msg', err)}",
-                          "fix the ${...} interpolation or set the environment variable it reads")
+                          "fix the ${...} interpolation or set the environment variable it reads"
+                          ) from None
 
 
 def parse_config(cfg: DictConfig | dict) -> tuple[Config, list[str]]:
@@ -35,16 +37,12 @@ def parse_config(cfg: DictConfig | dict) -> tuple[Config, list[str]]:
     for key in raw:
         if key not in known:
             raise unknown_key_error("", key, sorted(known))
+    hints = typing.get_type_hints(Config)
     config = Config(
         experiment=build(ExperimentConfig, raw.get("experiment"), "experiment"),
         serve={mid: _build_module(mid, entry) for mid, entry in raw.get("serve", {}).items()},
-        **{k: raw[k] for k in ("action", "foreground") if k in raw},
+        **{k: coerce(hints[k], raw[k], k) for k in ("action", "foreground") if k in raw},
     )
-    if not isinstance(config.action, str):
-        raise ConfigError("action", f"must be a string, got {config.action!r}", "action=run")
-    if not isinstance(config.foreground, bool):
-        raise ConfigError("foreground", f"must be true/false, got {config.foreground!r}",
-                          "foreground=true")
     return config, notes
 
 

@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-ACTIONS = ("run", "stop", "status", "test", "plan", "bench")
-INGRESS_MODES = ("auto", "engine", "separate")
-HTTP_SERVER_MODES = ("auto", "replicas", "serve_proxy")
-ENGINE_CORE_MODES = ("auto", "process", "thread")
-ENGINES = ("flagserve",)
+from flagserve.models.architectures import Arch
+
+# The modes of the experiment, as types: config/typed.py rejects any other value by key.
+Action = Literal["run", "stop", "status", "test", "plan", "bench"]
+Ingress = Literal["auto", "engine", "separate"]
+HttpServer = Literal["auto", "replicas", "serve_proxy"]
+EngineCoreMode = Literal["auto", "process", "thread"]
+Engine = Literal["flagserve"]  # FlagServe runs its own engine (FlagScale's `vllm` maps here)
+KnownHosts = Literal["strict", "auto_add", "ignore"]
+BenchDataset = Literal["random", "shared-prefix", "jsonl"]
+BenchEndpoint = Literal["completions", "chat"]
+BenchBaseline = Literal["serving_path", "prefix_caching", "continuous_batching"]
+BENCH_BASELINES: tuple[BenchBaseline, ...] = get_args(BenchBaseline)
 API_KEY_ENV = "FLAGSERVE_API_KEY"  # like vLLM's VLLM_API_KEY
 # Fields of engine_args that describe placement rather than one engine process: the engine
 # deployment turns them into shard workers (TP x PP) in a placement group.
@@ -30,17 +38,13 @@ class DeployConfig:
     # engine, no Ray hop between them; separate: an `ingress` deployment of its own, calling
     # the engine deployments; auto: engine when the graph has one LLM module and
     # ingress_replicas is 1, else separate.
-    ingress: str = "auto"
+    ingress: Ingress = "auto"
     ingress_replicas: int = 1  # replicas of a separate ingress deployment
     # How HTTP reaches the ingress. replicas: every ingress replica listens on host:port
     # itself (SO_REUSEPORT; the kernel spreads connections), no proxy hop; serve_proxy: Ray
     # Serve's HTTP proxy on the head routes to the replicas (any host, autoscaling); auto:
     # replicas on one host without autoscaling, else serve_proxy.
-    http_server: str = "auto"
-    use_fs_serve: bool = False  # accepted from FlagScale configs; FlagServe always uses Ray Serve
-
-
-KNOWN_HOSTS_POLICIES = ("strict", "auto_add", "ignore")
+    http_server: HttpServer = "auto"
 
 
 @dataclass
@@ -48,7 +52,8 @@ class SSHConfig:
     """How the multi-host runner reaches the hosts of the hostfile (paramiko, key auth only)."""
     user: str | None = None  # default: the hostfile's user=, else the local user
     key_file: str | None = None  # private key; null: ssh-agent and ~/.ssh/id_*
-    known_hosts: str = "strict"  # strict: reject unknown host keys | auto_add: trust and save | ignore
+    # strict: reject unknown host keys | auto_add: trust and save them | ignore
+    known_hosts: KnownHosts = "strict"
     known_hosts_file: str | None = None  # default ~/.ssh/known_hosts
     connect_timeout: float = 10.0  # seconds per connection attempt
 
@@ -66,8 +71,9 @@ class RunnerConfig:
 
 @dataclass
 class TaskConfig:
-    type: str = "serve"
-    backend: str | None = None  # FlagScale writes `vllm` here; FlagServe's engine serves it
+    type: Literal["serve"] = "serve"
+    # FlagScale writes `vllm` here; FlagServe's engine serves it
+    backend: Literal["flagserve", "vllm"] | None = None
 
 
 @dataclass
@@ -76,15 +82,10 @@ class CmdsConfig:
     after_stop: str | None = None
 
 
-BENCH_DATASETS = ("random", "shared-prefix", "jsonl")
-BENCH_ENDPOINTS = ("completions", "chat")
-BENCH_BASELINES = ("serving_path", "prefix_caching", "continuous_batching")
-
-
 @dataclass
 class BenchConfig:
     """action=bench: the workload sent to this experiment's endpoint (see docs/bench.md)."""
-    dataset: str = "random"  # random | shared-prefix | jsonl
+    dataset: BenchDataset = "random"
     dataset_path: str | None = None  # jsonl: one {"prompt": ..., "output_len": ...} per line
     num_prompts: int = 200
     input_len: int = 128  # prompt tokens (shared-prefix: after the prefix)
@@ -94,7 +95,7 @@ class BenchConfig:
     request_rate: float = float("inf")  # Poisson arrivals per second; inf: all at once
     burstiness: float = 1.0  # gamma shape of the inter-arrival times; 1 = Poisson
     max_concurrency: int | None = None  # requests in flight at most
-    endpoint: str = "completions"  # completions | chat
+    endpoint: BenchEndpoint = "completions"
     ignore_eos: bool = True
     seed: int = 0
     warmup: int = 2  # requests sent first and not counted
@@ -102,7 +103,7 @@ class BenchConfig:
     # pass i on its own prompts (seed + i, so no pass hits another's prefix cache); the
     # overheads are medians over the passes.
     repeats: int = 1
-    baselines: list[str] = field(default_factory=lambda: list(BENCH_BASELINES))
+    baselines: list[BenchBaseline] = field(default_factory=lambda: list(BENCH_BASELINES))
     module: str | None = None  # the LLM module to bench; default: the first one
     result_dir: str | None = None  # default: <exp_dir>/bench
     compare_base_url: str | None = None  # also send the workload to this OpenAI-compatible server
@@ -147,10 +148,10 @@ class TokenizerResources(ResourcesConfig):
 class LLMModule:
     """A model served by FlagServe's engine: one engine deployment; its prompts are tokenized
     in the ingress, or by a tokenizer deployment of their own when tokenizer.num_replicas > 0."""
-    engine: str = "flagserve"
+    engine: Engine = "flagserve"
     engine_args: dict[str, Any] = field(default_factory=dict)
     model_name: str | None = None  # name clients send as `model`; default: the model dir name
-    tiny_model: str | None = None  # when engine_args.model is null: the built-in tiny model arch
+    tiny_model: Arch | None = None  # when engine_args.model is null: the built-in tiny model arch
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tokenizer: TokenizerResources = field(default_factory=TokenizerResources)
     depends: list[str] = field(default_factory=list)  # user modules that preprocess requests
@@ -158,13 +159,7 @@ class LLMModule:
     # V1's EngineCore; no GIL shared with the replica's HTTP and Ray Serve work); thread: a
     # thread of the replica; auto: process, or thread with TP x PP > 1 (the replica drives
     # the shard workers itself).
-    engine_core: str = "auto"
-
-    @property
-    def engine_core_mode(self) -> str:
-        if self.engine_core != "auto":
-            return self.engine_core
-        return "thread" if self.world_size > 1 else "process"
+    engine_core: EngineCoreMode = "auto"
 
     @property
     def tokenizer_deployment(self) -> bool:
@@ -201,7 +196,7 @@ Module = LLMModule | UserModule
 class Config:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     serve: dict[str, Module] = field(default_factory=dict)
-    action: str = "run"
+    action: Action = "run"
     foreground: bool = False  # run: stay attached (container platforms) instead of returning
 
     @property

@@ -1,4 +1,5 @@
-"""Build dataclasses from plain dicts, checking unknown keys and types with the key path.
+"""Build dataclasses from plain dicts, checking unknown keys, types and `Literal` modes
+with the key path.
 
 OmegaConf's structured configs raise tracebacks with internal names; this gives one
 ConfigError naming the dotted key, what was expected and a close match for typos.
@@ -44,6 +45,29 @@ def build(cls: type[T], data: Any, path: str) -> T:
     return cls(**values)
 
 
+def _choices(tp: Any) -> tuple | None:
+    """The values a Literal, or a Literal | None, admits; None for any other type."""
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if all(a is type(None) or typing.get_origin(a) is typing.Literal for a in args):
+            return tuple(v for a in args
+                         for v in ((None,) if a is type(None) else typing.get_args(a)))
+    return None
+
+
+def _choice(value: Any, allowed: tuple, path: str, in_list: bool = False) -> Any:
+    if value in allowed:
+        return value
+    shown = ", ".join("null" if v is None else str(v) for v in allowed)
+    if in_list:
+        fix = f"use a list of: {shown} (or [] for none)"
+    else:
+        fix = f"set {path}={shown}" if len(allowed) == 1 else f"use one of: {shown}"
+    raise ConfigError(path, f"unknown value {value!r}", fix)
+
+
 def _describe(tp: Any) -> str:
     if tp is type(None):
         return "null"
@@ -65,13 +89,14 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
+    if (allowed := _choices(tp)) is not None:
+        return _choice(value, allowed, path)
     if origin in (typing.Union, types.UnionType):
-        errors = []
         for arg in typing.get_args(tp):
             try:
                 return coerce(arg, value, path)
-            except ConfigError as err:
-                errors.append(err)
+            except ConfigError:
+                pass
         raise ConfigError(path, f"must be {_describe(tp)}, got {value!r}",
                           f"set {path}=<{_describe(tp)}>")
     if tp is type(None):
@@ -82,6 +107,9 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
     elif origin is list:
         if isinstance(value, (list, tuple)):
             (item,) = typing.get_args(tp)
+            if (allowed := _choices(item)) is not None:
+                # A list of modes is typed whole (`key=[a,b]`): name the list, not an index.
+                return [_choice(v, allowed, path, in_list=True) for v in value]
             return [coerce(item, v, join(path, i)) for i, v in enumerate(value)]
     elif origin is dict:
         if isinstance(value, dict):

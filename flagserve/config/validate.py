@@ -6,39 +6,26 @@ experiment section, so a deleted model directory never prevents stopping a deplo
 from __future__ import annotations
 
 import ast
-import dataclasses
 import re
 from pathlib import Path
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
-from flagserve.config.schema import (ACTIONS, ENGINE_CORE_MODES, ENGINES, HTTP_SERVER_MODES,
-                                     INGRESS_MODES, KNOWN_HOSTS_POLICIES,
-                                     PARALLEL_ARGS, Config, LLMModule, ResourcesConfig,
-                                     UserModule)
-from flagserve.engine.engine_args import EngineArgs
+from flagserve.config.schema import PARALLEL_ARGS, Config, LLMModule, ResourcesConfig, UserModule
+from flagserve.config.topology import engine_args_for, ingress_autoscales, served_names, uses_gpu
+from flagserve.models.architectures import HF_ARCHITECTURES
 from flagserve.models.config import load_model_config
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def validate_experiment(config: Config) -> None:
     exp = config.experiment
-    if config.action not in ACTIONS:
-        raise ConfigError("action", f"unknown action {config.action!r}",
-                          f"use one of: {', '.join(ACTIONS)}")
     if not NAME_RE.match(exp.exp_name):
         raise ConfigError("experiment.exp_name", f"{exp.exp_name!r} is not a valid name",
                           "use letters, digits, '.', '_' and '-' only")
     if not exp.exp_dir:
         raise ConfigError("experiment.exp_dir", "must not be empty", "experiment.exp_dir=outputs/x")
-    if exp.task.type != "serve":
-        raise ConfigError("experiment.task.type", f"{exp.task.type!r} is not served here",
-                          "set experiment.task.type=serve")
-    if exp.task.backend not in (None, "flagserve", "vllm"):
-        raise ConfigError("experiment.task.backend", f"unknown backend {exp.task.backend!r}",
-                          "remove it or set it to flagserve")
     deploy = exp.runner.deploy
     if not 1 <= deploy.port <= 65535:
         raise ConfigError("experiment.runner.deploy.port", f"{deploy.port} is not a TCP port",
@@ -48,12 +35,6 @@ def validate_experiment(config: Config) -> None:
                           "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
     if deploy.startup_timeout_s <= 0:
         raise ConfigError("experiment.runner.deploy.startup_timeout_s", "must be > 0", "e.g. 600")
-    if deploy.ingress not in INGRESS_MODES:
-        raise ConfigError("experiment.runner.deploy.ingress", f"unknown mode {deploy.ingress!r}",
-                          f"use one of: {', '.join(INGRESS_MODES)}")
-    if deploy.http_server not in HTTP_SERVER_MODES:
-        raise ConfigError("experiment.runner.deploy.http_server", f"unknown mode {deploy.http_server!r}",
-                          f"use one of: {', '.join(HTTP_SERVER_MODES)}")
     if deploy.http_server == "replicas" and exp.runner.hostfile:
         raise ConfigError("experiment.runner.deploy.http_server",
                           "`replicas` serves HTTP on the host of each replica; with a hostfile "
@@ -68,9 +49,6 @@ def validate_experiment(config: Config) -> None:
             raise ConfigError(f"experiment.runner.{key}", f"{port} is not a TCP port",
                               "use a port in 1..65535")
     ssh = runner.ssh
-    if ssh.known_hosts not in KNOWN_HOSTS_POLICIES:
-        raise ConfigError("experiment.runner.ssh.known_hosts", f"unknown policy {ssh.known_hosts!r}",
-                          f"use one of: {', '.join(KNOWN_HOSTS_POLICIES)}")
     if ssh.connect_timeout <= 0 or runner.node_timeout_s <= 0:
         key = "ssh.connect_timeout" if ssh.connect_timeout <= 0 else "node_timeout_s"
         raise ConfigError(f"experiment.runner.{key}", "must be > 0", "e.g. 10")
@@ -108,32 +86,9 @@ def validate_graph(config: Config, hosts: list[Host]) -> None:
     _check_devices(config, hosts)
 
 
-def ingress_in_engine(config: Config) -> str | None:
-    """The LLM module whose engine replicas also serve HTTP (deploy.ingress), or None."""
-    deploy = config.deploy
-    if deploy.ingress == "separate" or len(config.llms) != 1:
-        return None
-    if deploy.ingress == "auto" and deploy.ingress_replicas != 1:
-        return None
-    return next(iter(config.llms))
-
-
-def _ingress_autoscales(config: Config) -> bool:
-    local = ingress_in_engine(config)
-    return local is not None and config.llms[local].resources.autoscaling
-
-
-def direct_http(config: Config) -> bool:
-    """Whether the ingress replicas serve HTTP themselves (deploy.http_server), not Serve's proxy."""
-    mode = config.deploy.http_server
-    if mode != "auto":
-        return mode == "replicas"
-    return not config.experiment.runner.hostfile and not _ingress_autoscales(config)
-
-
 def _check_ingress(config: Config) -> None:
     deploy = config.deploy
-    if deploy.http_server == "replicas" and _ingress_autoscales(config):
+    if deploy.http_server == "replicas" and ingress_autoscales(config):
         raise ConfigError("experiment.runner.deploy.http_server",
                           "`replicas` bypasses Ray Serve's proxy, whose request counts drive "
                           "autoscaling",
@@ -154,30 +109,8 @@ def _check_ingress(config: Config) -> None:
                           "or set experiment.runner.deploy.ingress=separate")
 
 
-def served_names(module_id: str, module: LLMModule) -> list[str]:
-    """`model` values routed to this module: model_name (default: model dir name)."""
-    if module.model_name:
-        return [module.model_name]
-    return [Path(str(module.engine_args.get("model", module_id))).name or module_id]
-
-
-def engine_args_for(module: LLMModule) -> EngineArgs:
-    """The EngineArgs the engine deployment is built with (placement fields set apart)."""
-    known = {f.name for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs(**{k: v for k, v in module.engine_args.items() if k in known})
-
-
 def _check_llm(module_id: str, module: LLMModule) -> None:
     path = f"serve.{module_id}"
-    if module.engine not in ENGINES:
-        raise ConfigError(f"{path}.engine", f"engine {module.engine!r} is not available",
-                          f"set {path}.engine=flagserve (FlagServe runs its own engine)")
-    if module.engine_core not in ENGINE_CORE_MODES:
-        raise ConfigError(f"{path}.engine_core", f"unknown mode {module.engine_core!r}",
-                          f"use one of: {', '.join(ENGINE_CORE_MODES)}")
-    if module.tiny_model is not None and module.tiny_model not in TINY_ARCHS:
-        raise ConfigError(f"{path}.tiny_model", f"unknown tiny model {module.tiny_model!r}",
-                          f"use one of {', '.join(TINY_ARCHS)}, or null")
     model = module.engine_args.get("model")
     if not model:
         raise ConfigError(f"{path}.engine_args.model", "is not set",
@@ -195,7 +128,7 @@ def _check_llm(module_id: str, module: LLMModule) -> None:
         model_cfg = load_model_config(model_dir)
     except (ValueError, KeyError) as err:
         raise ConfigError(f"{path}.engine_args.model", f"cannot serve {str(model_dir)!r}: {err}",
-                          "serve a Llama, Mistral, Qwen2 or Qwen3 checkpoint") from None
+                          f"serve a checkpoint of one of: {', '.join(HF_ARCHITECTURES)}") from None
     max_len = module.engine_args.get("max_model_len")
     if isinstance(max_len, int) and max_len > model_cfg.max_position_embeddings:
         raise ConfigError(f"{path}.engine_args.max_model_len",
@@ -297,13 +230,6 @@ def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
         if node not in state and (found := visit(node)):
             return found
     return None
-
-
-def uses_gpu(module: LLMModule, hosts: list[Host]) -> bool:
-    device = str(module.engine_args.get("device", "auto"))
-    if device == "auto":
-        return any(h.num_gpus for h in hosts)
-    return device.startswith("cuda")
 
 
 def _check_devices(config: Config, hosts: list[Host]) -> None:

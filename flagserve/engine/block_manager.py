@@ -54,7 +54,7 @@ class BlockManager:
         return len(self.free)
 
     def usage(self) -> float:
-        return 1.0 - len(self.free) / len(self.blocks)
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])

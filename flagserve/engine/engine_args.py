@@ -2,20 +2,21 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     from flagserve.models.config import ModelConfig
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-BACKENDS = ("auto", "torch", "triton")
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]  # auto: the checkpoint's torch_dtype
+# The kernels (kernels/backend.py): torch reference, our Triton kernels, or auto (Triton on CUDA)
+AttentionBackend = Literal["auto", "torch", "triton"]
 
 
 @dataclass
 class EngineArgs:
     model: str
     tokenizer: str | None = None  # defaults to the model directory
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     block_size: int = 16
     max_num_seqs: int = 256
@@ -26,7 +27,7 @@ class EngineArgs:
     cpu_kv_cache_space_gib: float = 4.0  # CPU: memory for the KV cache
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
     seed: int = 0
     # Shards: TP x PP worker processes (Ray actors) instead of the model in this process.
     tensor_parallel_size: int = 1  # splits heads, MLP columns and vocabulary within a stage
@@ -39,9 +40,9 @@ class EngineArgs:
                 raise ValueError(f"EngineArgs.{name} {message}")
 
         check(isinstance(self.model, str) and bool(self.model), "model", "must be a model directory path")
-        check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        check(self.attention_backend in BACKENDS, "attention_backend",
-              f"must be one of {BACKENDS}, got {self.attention_backend!r}")
+        for name, mode in (("dtype", Dtype), ("attention_backend", AttentionBackend)):
+            value = getattr(self, name)
+            check(value in get_args(mode), name, f"must be one of {get_args(mode)}, got {value!r}")
         check(isinstance(self.block_size, int) and self.block_size > 0
               and self.block_size & (self.block_size - 1) == 0, "block_size",
               f"must be a positive power of two, got {self.block_size!r}")
@@ -60,7 +61,8 @@ class EngineArgs:
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
                   f"must be an integer >= 1, got {value!r}")
         hosts = self.placement_hosts
-        check(hosts is None or (isinstance(hosts, (list, tuple)) and all(isinstance(h, str) and h for h in hosts)
+        check(hosts is None or (isinstance(hosts, (list, tuple))
+                                and all(isinstance(h, str) and h for h in hosts)
                                 and len(hosts) == self.pipeline_parallel_size), "placement_hosts",
               f"must be None or one host address per pipeline stage "
               f"({self.pipeline_parallel_size}), got {hosts!r}")

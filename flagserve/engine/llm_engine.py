@@ -10,9 +10,9 @@ from transformers import AutoTokenizer
 from flagserve.engine.block_manager import BlockManager
 from flagserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from flagserve.engine.engine_args import EngineArgs
-from flagserve.engine.kv_budget import batched_tokens
 from flagserve.engine.executor import make_executor
-from flagserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from flagserve.engine.kv_budget import batched_tokens
+from flagserve.engine.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from flagserve.engine.scheduler import Scheduler, SchedulerConfig
 from flagserve.engine.sequence import Sequence
@@ -20,7 +20,6 @@ from flagserve.engine.stats import EngineStats
 from flagserve.engine.step_input import StepInputBuilder
 from flagserve.layers.sampler import SamplerOutput
 from flagserve.models.config import load_model_config
-
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -76,10 +75,6 @@ class LLMEngine:
         self._num_steps = 0
         self._step_seconds = 0.0
 
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args)
-
     # Requests
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -120,7 +115,7 @@ class LLMEngine:
             return
         for seq in state.seqs:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
+                seq.finish_reason = FinishReason.ABORT
                 self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
@@ -129,9 +124,6 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     # The step
 
@@ -194,9 +186,9 @@ class LLMEngine:
         p = seq.params
         may_stop = seq.num_output_tokens >= p.min_tokens
         if may_stop and not p.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"  # the EOS token's text is not part of the output
+            seq.finish_reason = FinishReason.STOP  # the EOS token's text is not part of the output
         elif may_stop and token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         else:
             delta = detok.append(seq.token_ids)
             if may_stop and p.stop_list and delta:
@@ -204,11 +196,11 @@ class LLMEngine:
                 if hit is not None:
                     stop, idx = hit
                     detok.text = detok.text[:idx + (len(stop) if p.include_stop_str_in_output else 0)]
-                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
                     return
             if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) \
                     or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
+                seq.finish_reason = FinishReason.LENGTH
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         finished = state.finished

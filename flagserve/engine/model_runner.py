@@ -12,7 +12,7 @@ import torch
 
 from flagserve.distributed.parallel_state import ParallelContext
 from flagserve.distributed.pipeline import recv_activations, send_activations
-from flagserve.engine.engine_args import EngineArgs
+from flagserve.engine.engine_args import Dtype, EngineArgs
 from flagserve.engine.kv_budget import capacity_blocks, kv_budget_bytes
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.step_input import StepInput
@@ -31,7 +31,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
+def resolve_dtype(name: Dtype, cfg: ModelConfig) -> torch.dtype:
     if name == "auto":
         return DTYPES.get(cfg.torch_dtype, torch.float32)
     return DTYPES[name]

@@ -1,5 +1,17 @@
 """What generate() and LLMEngine.step() return, shaped like vLLM's outputs."""
 from dataclasses import dataclass, replace
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    """Why a sequence ended. A str, so JSON, metric labels and `== "stop"` see the plain
+    value, as OpenAI's `finish_reason` and vLLM's `finished_reason` label spell it."""
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, or the sequence reached max_model_len
+    ABORT = "abort"  # the client went away or the request was cancelled
+
+    def __str__(self) -> str:  # Python 3.11+ would print "FinishReason.STOP" in f-strings
+        return self.value
 
 
 @dataclass
@@ -21,11 +33,8 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

@@ -41,9 +41,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}

@@ -3,7 +3,7 @@ import enum
 from dataclasses import dataclass, field
 from itertools import count
 
-from flagserve.engine.outputs import SampleLogprobs
+from flagserve.engine.outputs import FinishReason, SampleLogprobs
 from flagserve.engine.sampling_params import SamplingParams
 
 
@@ -35,7 +35,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     cumulative_logprob: float | None = None  # tracked when the request asks for logprobs
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
     @property

@@ -5,13 +5,7 @@ from pathlib import Path
 from typing import get_args
 
 from flagserve.layers.rotary import RopeConfig, RopeType
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from flagserve.models.architectures import HF_ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -72,10 +66,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
                                 "point `model` at a local HF model directory")
     cfg = json.loads(path.read_text())
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(f"model architecture {archs or cfg.get('model_type')!r} is not supported; "
-                         f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                         f"supported architectures: {', '.join(HF_ARCHITECTURES)}")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     sliding = cfg.get("sliding_window")

@@ -1,4 +1,4 @@
-"""Build a model from a local HF directory: config, architecture lookup, safetensors weights."""
+"""Build a model from a local HF directory: config and safetensors weights."""
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,14 +10,6 @@ from flagserve.distributed.parallel_state import ParallelContext
 from flagserve.models.config import ModelConfig
 from flagserve.models.decoder import DecoderForCausalLM
 from kernels import KernelOps
-
-# Every supported architecture is one decoder; the table is where a new family would go.
-MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
-    "LlamaForCausalLM": DecoderForCausalLM,
-    "MistralForCausalLM": DecoderForCausalLM,
-    "Qwen2ForCausalLM": DecoderForCausalLM,
-    "Qwen3ForCausalLM": DecoderForCausalLM,
-}
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -64,12 +56,11 @@ def iterate_weights(model_dir: Path, keep: Callable[[str], bool] = lambda name: 
 def load_model(model_dir: str | Path, cfg: ModelConfig, ops: KernelOps, dtype: torch.dtype,
                device: torch.device, par: ParallelContext = ParallelContext()) -> DecoderForCausalLM:
     """This shard's part of the model (all of it with TP = PP = 1), its weights only."""
-    model_cls = MODEL_CLASSES[cfg.architecture]
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(cfg, ops, par)
+            model = DecoderForCausalLM(cfg, ops, par)  # serves every architecture in architectures.py
     finally:
         torch.set_default_dtype(default_dtype)
     model.load_weights(iterate_weights(Path(model_dir), model.owns_weight))

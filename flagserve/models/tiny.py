@@ -17,17 +17,18 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:  # transformers is imported lazily: it costs seconds
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
+from flagserve.models.architectures import ARCHS, Arch
 from flagserve.models.tiny_corpus import CORPUS
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _QWEN = ("qwen2", "qwen3")
 
 # Bump whenever the recipe (corpus, sizes, init) changes: cached models live in a versioned
@@ -114,10 +115,9 @@ _ARCH: dict[str, dict[str, Any]] = {
 }
 
 
-def build_tokenizer(arch: str = "llama", model_max_length: int = 2048) -> PreTrainedTokenizerFast:
+def build_tokenizer(arch: Arch = "llama", model_max_length: int = 2048) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE tokenizer on the embedded corpus (deterministic, ~50 ms)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     _check_arch(arch)
@@ -167,7 +167,7 @@ def build_tokenizer(arch: str = "llama", model_max_length: int = 2048) -> PreTra
     )
 
 
-def build_config(arch: str = "llama", **overrides: Any) -> PretrainedConfig:
+def build_config(arch: Arch = "llama", **overrides: Any) -> PretrainedConfig:
     """The transformers config for `arch`; `overrides` replace any config field."""
     from transformers import AutoConfig
 
@@ -232,7 +232,7 @@ def init_weights_(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_tiny_model(
-    out_dir: str | Path, arch: str = "llama", seed: int = 0, **overrides: Any
+    out_dir: str | Path, arch: Arch = "llama", seed: int = 0, **overrides: Any
 ) -> Path:
     """Write the tiny `arch` model with weights from `seed` into `out_dir`; returns its path.
 
@@ -309,7 +309,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def default_model_dir(arch: str = "llama") -> Path:
+def default_model_dir(arch: Arch = "llama") -> Path:
     """Cache location of the default tiny model: $FLAGSERVE_CACHE or ~/.cache/flagserve."""
     root = os.environ.get("FLAGSERVE_CACHE") or Path.home() / ".cache" / "flagserve"
     return Path(root) / f"tiny-{arch}-v{RECIPE_VERSION}"
@@ -318,7 +318,7 @@ def default_model_dir(arch: str = "llama") -> Path:
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-def ensure_tiny_model(path: str | Path | None = None, arch: str = "llama") -> Path:
+def ensure_tiny_model(path: str | Path | None = None, arch: Arch = "llama") -> Path:
     """Return `path` (default: default_model_dir(arch)), generating the model if it is missing.
 
     Builds in a temporary sibling directory and renames it into place, so concurrent processes

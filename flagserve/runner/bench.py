@@ -25,7 +25,7 @@ import yaml
 
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
-from flagserve.config.validate import engine_args_for, served_names, uses_gpu
+from flagserve.config.topology import engine_args_for, served_names, uses_gpu
 from flagserve.runner import local
 from flagserve.cluster.records import ExpPaths, load_processes
 

@@ -95,4 +95,4 @@ def dispatch(config: Config, hosts: list[Host]) -> int:
     if config.action == "bench":
         from flagserve.runner.bench import bench
         return bench(config)
-    raise AssertionError(config.action)  # validate_experiment lists the actions
+    raise AssertionError(config.action)  # the parse admits only schema.Action's verbs

@@ -148,7 +148,7 @@ def _check_port_free(config: Config) -> None:
 
 def _print_ready(config: Config, url: str) -> None:
     module_id, module = next(iter(config.llms.items()))
-    from flagserve.config.validate import served_names
+    from flagserve.config.topology import served_names
     body = json.dumps({"model": served_names(module_id, module)[0],
                        "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     auth = " -H 'Authorization: Bearer $FLAGSERVE_API_KEY'" if config.api_key else ""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.schema import LLMModule
-from flagserve.config.validate import engine_args_for
+from flagserve.config.topology import engine_args_for
 from flagserve.engine.kv_budget import capacity_blocks, kv_budget_bytes
 from flagserve.models.config import ModelConfig, load_model_config
 
@@ -70,7 +70,7 @@ def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
         cfg = load_model_config(args.model)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"serve.{module_id}.engine_args.model", str(err),
-                          "serve a supported architecture (see flagserve/models/config.py)") from None
+                          "serve a supported architecture (see flagserve/models/architectures.py)") from None
     dtype = cfg.torch_dtype if args.dtype == "auto" else args.dtype
     elem = DTYPE_BYTES.get(dtype, 4)
     tp, pp = module.tensor_parallel_size, module.pipeline_parallel_size

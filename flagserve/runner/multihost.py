@@ -287,7 +287,7 @@ def _actor_label(actor: dict) -> str:
 
 def _print_ready(config: Config, url: str, hosts: list[Host]) -> None:
     from flagserve.runner.local import same_command
-    from flagserve.config.validate import served_names
+    from flagserve.config.topology import served_names
     module_id, module = next(iter(config.llms.items()))
     body = json.dumps({"model": served_names(module_id, module)[0], "prompt": "Hello",
                        "max_tokens": 16})

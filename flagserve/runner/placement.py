@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
-from flagserve.config.validate import uses_gpu
+from flagserve.config.topology import uses_gpu
 
 
 @dataclass

@@ -5,7 +5,7 @@ from collections import defaultdict
 
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
-from flagserve.config.validate import direct_http, ingress_in_engine, served_names, uses_gpu
+from flagserve.config.topology import direct_http, engine_core_mode, ingress_in_engine, served_names, uses_gpu
 from flagserve.runner.memory import estimate
 from flagserve.runner.placement import place
 
@@ -59,7 +59,7 @@ def print_plan(config: Config, hosts: list[Host]) -> None:
         gpu = uses_gpu(m, hosts)
         layout = f"TP {m.tensor_parallel_size} x PP {m.pipeline_parallel_size}"
         print(f"  {mid + '-engine':<24} {_replicas(m.resources):<18} {layout}, "
-              f"model {', '.join(served_names(mid, m))}, step loop in a {m.engine_core_mode}")
+              f"model {', '.join(served_names(mid, m))}, step loop in a {engine_core_mode(m)}")
         for s in shards[mid]:
             where = f"gpu {','.join(map(str, s.devices))}" if gpu else "cpu"
             print(f"  {'':<24} {'':<18} replica {s.replica} stage {s.stage}: {s.host} {where}")

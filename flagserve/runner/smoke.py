@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from flagserve.config.schema import Config
-from flagserve.config.validate import served_names
+from flagserve.config.topology import served_names
 from flagserve.runner import http, local
 from flagserve.config.hostfile import Host
 from flagserve.cluster.records import ExpPaths, load_processes

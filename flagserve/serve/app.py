@@ -25,7 +25,14 @@ from ray.serve.deployment import Application
 
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config, LLMModule, ResourcesConfig
-from flagserve.config.validate import direct_http, engine_args_for, ingress_in_engine, served_names, uses_gpu
+from flagserve.config.topology import (
+    direct_http,
+    engine_args_for,
+    engine_core_mode,
+    ingress_in_engine,
+    served_names,
+    uses_gpu,
+)
 from flagserve.entrypoints.openai.ingress import ModelRoute, OpenAIIngress
 from flagserve.serve.engine_clients import LocalEngineSpec, RemoteEngineSpec
 from flagserve.serve.engine_deployment import EngineDeployment
@@ -105,11 +112,11 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
             ).bind(tokenizer_path)
         engine_args = engine_args_for(module).to_dict()  # placement fields stay here
         if mid == local:
-            engine = LocalEngineSpec(mid, names[0], engine_args, module.engine_core_mode)
+            engine = LocalEngineSpec(mid, names[0], engine_args, engine_core_mode(module))
         else:
             engine = RemoteEngineSpec(serve.deployment(EngineDeployment).options(
                 name=f"{mid}-engine", **engine_options(module, hosts)
-            ).bind(mid, names[0], engine_args, hub, module.engine_core_mode))
+            ).bind(mid, names[0], engine_args, hub, engine_core_mode(module)))
         routes.append(ModelRoute(mid, names, engine, tokenizer_path, tokenizer,
                                  [(d, users[d]) for d in dependency_order(config, mid)]))
     if local is not None:

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from flagserve.engine.outputs import RequestOutput
+from flagserve.engine.outputs import FinishReason, RequestOutput
 from flagserve.engine.stats import EngineStats
 
 # vLLM's buckets, with sub-10ms ones added: the tiny CPU model decodes in about a millisecond.
@@ -109,14 +109,15 @@ class EngineMetrics:
             self._hist["vllm:request_prompt_tokens"].observe(len(out.prompt_token_ids))
             self._hist["vllm:request_generation_tokens"].observe(seen.tokens if seen else 0)
             for c in out.outputs:
-                reason = c.finish_reason or "abort"
+                reason = str(c.finish_reason or FinishReason.ABORT)  # a label: the plain value
                 self._success[reason] = self._success.get(reason, 0) + 1
 
     def count_abort(self, request_id: str) -> None:
         """An aborted request produces no final output; count it here."""
         with self._lock:
             self._seen.pop(request_id, None)
-            self._success["abort"] = self._success.get("abort", 0) + 1
+            abort = str(FinishReason.ABORT)
+            self._success[abort] = self._success.get(abort, 0) + 1
 
     def snapshot(self, stats: EngineStats) -> dict:
         with self._lock:
@@ -150,7 +151,7 @@ class _SnapshotCollector:
         fam = CounterMetricFamily(SUCCESS, "Finished requests by finish reason.",
                                   labels=labels + ["finished_reason"])
         for key, snap in items:
-            for reason in sorted(set(snap["success"]) | {"stop", "length", "abort"}):
+            for reason in sorted(set(snap["success"]) | {str(r) for r in FinishReason}):
                 fam.add_metric([*key, reason], snap["success"].get(reason, 0))
         yield fam
         for name, (doc, bounds) in HISTOGRAMS.items():

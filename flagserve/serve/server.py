@@ -25,7 +25,7 @@ import yaml
 
 from flagserve.config import parse_config
 from flagserve.config.hostfile import Host, local_host
-from flagserve.config.validate import direct_http
+from flagserve.config.topology import direct_http
 from flagserve.cluster.ray_env import OBJECT_STORE_BYTES, SERVE_ENV
 from flagserve.cluster.records import ExpPaths, RayRecord, save_ray
 
@@ -116,7 +116,7 @@ def wait_for_nodes(hosts: list[Host], timeout_s: float) -> None:
 def logical_cpus(config) -> int:
     """This host's CPUs plus one per CPU shard worker: TP x PP on CPU oversubscribes the cores
     rather than leave the shards' placement group waiting for CPUs this host never has."""
-    from flagserve.config.validate import uses_gpu
+    from flagserve.config.topology import uses_gpu
     host = local_host(config.experiment.envs)
     shards = sum(m.world_size * max(m.resources.num_replicas, m.resources.min_replicas or 1)
                  for m in config.llms.values() if m.world_size > 1 and not uses_gpu(m, [host]))

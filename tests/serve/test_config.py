@@ -46,7 +46,7 @@ def test_default_config_plans(capsys):
 
 def test_ingress_and_http_server_modes():
     from flagserve.config import parse_config
-    from flagserve.config.validate import direct_http, ingress_in_engine
+    from flagserve.config.topology import direct_http, ingress_in_engine
 
     def resolved(*overrides):
         from omegaconf import OmegaConf
@@ -103,6 +103,9 @@ def test_tokenizer_deployment_is_optional(capsys):
     (["experiment.runner.deploy.http_server=replicas", "serve.llm.resources.min_replicas=1",
       "serve.llm.resources.max_replicas=2"], "experiment.runner.deploy.http_server", "autoscaling"),
     (["serve.llm.engine_core=fork"], "serve.llm.engine_core", "auto, process, thread"),
+    (["serve.llm.tiny_model=gpt2"], "serve.llm.tiny_model", "llama, mistral, qwen2, qwen3, null"),
+    (["experiment.runner.ssh.known_hosts=trust"], "experiment.runner.ssh.known_hosts",
+     "strict, auto_add, ignore"),
     (["serve.llm.engine_core=process", "serve.llm.engine_args.tensor_parallel_size=2"],
      "serve.llm.engine_core", "TP = PP = 1"),
 ])
@@ -169,6 +172,13 @@ def test_flagscale_list_form_and_plan_across_hosts(capsys, tmp_path, monkeypatch
     assert "`vllm` is served by FlagServe's own engine" in err
     assert "ignoring vLLM-only trust_remote_code" in err
     assert "Qwen2.5-7B-Instruct" in out
+
+
+def test_flagscale_use_fs_serve_is_accepted_and_dropped():
+    from flagserve.config import parse_config
+    config, notes = parse_config({"experiment": {"runner": {"deploy": {"use_fs_serve": True}}}})
+    assert not hasattr(config.deploy, "use_fs_serve")
+    assert any("use_fs_serve" in n for n in notes)
 
 
 def test_flagscale_port_moves_to_deploy():

@@ -1,0 +1,18 @@
+"""The model architectures FlagServe serves: the one list that config.json parsing, the
+tiny-model builder and the serve config's `tiny_model` all read.
+
+Kept free of torch so that config validation can import it cheaply.
+"""
+from typing import Literal, get_args
+
+# By HF model_type: how tiny_model and `python -m flagserve.models.tiny --arch` name them.
+Arch = Literal["llama", "mistral", "qwen2", "qwen3"]
+ARCHS: tuple[Arch, ...] = get_args(Arch)
+# By the class name a checkpoint's config.json lists under `architectures`. All of them are
+# the one DecoderForCausalLM; their differences are flags of ModelConfig.
+HF_ARCHITECTURES: dict[str, Arch] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
