@@ -23,14 +23,16 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from flagserve.cluster.records import ProcessRecord
 from flagserve.config.errors import ConfigError
 from flagserve.runner import http
+from flagserve.runner.console import tail
 from flagserve.runner.environment import _env_after
 from flagserve.runner.launcher import is_alive, spawn, terminate
-from flagserve.cluster.records import ProcessRecord
 
 LOG_SUFFIXES = (".log", ".out", ".err", ".txt")
 MAX_LOG_BYTES = 64 * 2**20  # per file copied from Ray's session logs
+LOG_LINES = 30  # of a process's log, in the error when it fails to start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +103,7 @@ def _spawn(args) -> dict:
                 terminate(record, grace_s=5.0)
                 why = (f"exited with {proc.returncode}" if proc.poll() is not None
                        else f"did not open {args.wait_port} within {args.timeout:g} s")
-                raise AgentError(f"{args.name} {why}\n{_tail(args.log)}")
+                raise AgentError(f"{args.name} {why}\n{tail(args.log, LOG_LINES)}")
             time.sleep(0.3)
     return asdict(record)
 
@@ -119,8 +121,9 @@ def _wait_healthy(args) -> dict:
     if http.wait_healthy(args.url, args.timeout, lambda: is_alive(record)):
         return {"healthy": True}
     why = "exited" if not is_alive(record) else f"is not healthy after {args.timeout:g} s"
+    log = Path(record.log) if record.log else None
     raise AgentError(f"the serving process (pid {record.pid}) {why}; "
-                     f"log {record.log}\n{_tail(Path(record.log) if record.log else None)}")
+                     f"log {record.log}\n{tail(log, LOG_LINES)}")
 
 
 def _stop(args) -> dict:
@@ -140,7 +143,8 @@ def _stop(args) -> dict:
     if args.after_stop and not survivors:
         rc = subprocess.run(["bash", "-c", args.after_stop], env=_with(args.env),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        after_stop = rc.returncode if not rc.stderr else f"{rc.returncode}: {rc.stderr.decode(errors='replace')[-300:]}"
+        err = rc.stderr.decode(errors="replace")[-300:]
+        after_stop = f"{rc.returncode}: {err}" if err else rc.returncode
     return {"stopped": stopped, "survivors": survivors, "after_stop": after_stop}
 
 
@@ -173,16 +177,13 @@ def _status(args) -> dict:
     ray_record = args.ray
     if ray_record is None:
         return out
-    out["healthy"] = http.healthy(_local_url(ray_record.get("endpoint", "")))
+    # The recorded endpoint names the head, where this runs (a wildcard bind by its address).
+    out["healthy"] = http.healthy(ray_record.get("endpoint", ""))
     try:
         out.update(_ray_view(ray_record, args.token))
     except Exception as err:  # noqa: BLE001 - report, don't crash
         out["ray_error"] = f"{type(err).__name__}: {err}"
     return out
-
-
-def _local_url(endpoint: str) -> str:
-    return endpoint.replace("://0.0.0.0:", "://127.0.0.1:")
 
 
 def _ray_view(ray_record: dict, token: Path) -> dict:
@@ -210,13 +211,6 @@ def _ray_view(ray_record: dict, token: Path) -> dict:
         ray.shutdown()
     return {"app_status": app_status, "nodes": nodes, "actors": actors,
             "deployments": [asdict(d) for d in deployments]}
-
-
-def _tail(log: Path | None, lines: int = 30) -> str:
-    if log is None or not log.exists():
-        return ""
-    text = log.read_text(errors="replace").splitlines()[-lines:]
-    return f"last lines of {log}:\n" + "\n".join(text)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from flagserve.config.hostfile import Host, HostfileError, local_host, parse_hos
 from flagserve.config.resolve import fill_tiny_models, resolve_paths
 from flagserve.config.schema import Config
 from flagserve.config.validate import validate_experiment, validate_graph
+from flagserve.runner.deployment import deployment_for
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
@@ -64,35 +65,16 @@ def inventory(config: Config) -> list[Host]:
 
 
 def dispatch(config: Config, hosts: list[Host]) -> int:
+    deployment = deployment_for(config, hosts)
     if config.action == "plan":
         from flagserve.runner.plan import print_plan
-        print_plan(config, hosts)
+        print_plan(deployment)
         return EXIT_OK
-    if config.experiment.runner.hostfile:
-        from flagserve.runner import multihost
-        if config.action == "run":
-            return multihost.run(config, hosts)
-        if config.action == "stop":
-            return multihost.stop(config)
-        if config.action == "status":
-            return multihost.status(config)
-        if config.action == "test":
-            from flagserve.runner.smoke import smoke_test
-            return smoke_test(config, hosts)
-        if config.action == "bench":
-            from flagserve.runner.bench import bench
-            return bench(config, hosts)
-    from flagserve.runner import local
-    if config.action == "run":
-        return local.run(config)
-    if config.action == "stop":
-        return local.stop(config)
-    if config.action == "status":
-        return local.status(config)
     if config.action == "test":
         from flagserve.runner.smoke import smoke_test
-        return smoke_test(config)
+        return smoke_test(deployment)
     if config.action == "bench":
         from flagserve.runner.bench import bench
-        return bench(config)
-    raise AssertionError(config.action)  # the parse admits only schema.Action's verbs
+        return bench(deployment)
+    verbs = {"run": deployment.run, "stop": deployment.stop, "status": deployment.status}
+    return verbs[config.action]()  # the parse admits only schema.Action's verbs

@@ -9,9 +9,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from flagserve.cluster.ray_env import SERVE_ENV, env_value, token_auth_env
 from flagserve.config.errors import ConfigError
 from flagserve.config.schema import Config
-from flagserve.cluster.ray_env import SERVE_ENV, env_value, token_auth_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,11 +20,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from flagserve.cluster.ray_env import OBJECT_STORE_BYTES, SERVE_ENV, env_value, token_auth_env
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.distributed.placement import host_resource  # `host:<address>`, what shards pin to
 from flagserve.runner.environment import REPO_ROOT
-from flagserve.cluster.ray_env import OBJECT_STORE_BYTES, SERVE_ENV, env_value, token_auth_env
 
 HOST_RESOURCE_UNITS = 1000  # `host:<address>` units per node: pin with a fraction of it
 

@@ -6,6 +6,7 @@ session id; `stop` signals the leader, then whatever is left in that session.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -93,19 +94,15 @@ def terminate(record: ProcessRecord, grace_s: float = 30.0) -> list[str]:
 
 
 def _signal(proc: psutil.Process, sig: int) -> None:
-    try:
+    with contextlib.suppress(psutil.Error):
         proc.send_signal(sig)
-    except psutil.Error:
-        pass
 
 
 def _wait(procs: list[psutil.Process], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.TimeoutExpired, psutil.Error):
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except (psutil.TimeoutExpired, psutil.Error):
-            pass
 
 
 def _name(proc: psutil.Process) -> str:

@@ -81,9 +81,11 @@ def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
     max_model_len = args.max_model_len or cfg.max_position_embeddings
     if gpu:
         device = gpu_memory_bytes()
-        source = f"{args.gpu_memory_utilization:.0%} of a " + (
-            f"{device / 2**30:.0f} GiB GPU" if device else f"{ASSUMED_GPU_GIB:.0f} GiB GPU (assumed: no GPU visible here)")
-        budget = kv_budget_bytes(args, cfg, max_model_len, device or int(ASSUMED_GPU_GIB * 2**30), weights)
+        size = f"{device / 2**30:.0f} GiB GPU" if device else \
+            f"{ASSUMED_GPU_GIB:.0f} GiB GPU (assumed: no GPU visible here)"
+        source = f"{args.gpu_memory_utilization:.0%} of a {size}"
+        budget = kv_budget_bytes(args, cfg, max_model_len, device or int(ASSUMED_GPU_GIB * 2**30),
+                                 weights)
     else:
         source = f"cpu_kv_cache_space_gib={args.cpu_kv_cache_space_gib}"
         budget = kv_budget_bytes(args, cfg, max_model_len, None, 0)
@@ -92,6 +94,7 @@ def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
         kv_tokens = args.num_kv_blocks * args.block_size
         budget = kv_tokens * kv_per_token
     else:
-        kv_tokens = capacity_blocks(args, max_model_len, budget, kv_per_token * args.block_size) * args.block_size
+        blocks = capacity_blocks(args, max_model_len, budget, kv_per_token * args.block_size)
+        kv_tokens = blocks * args.block_size
     return MemoryEstimate(cfg, dtype, params, weights, kv_per_token, budget, kv_tokens,
                           max_model_len, source)

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from flagserve.config.hostfile import Host
-from flagserve.config.schema import Config
 from flagserve.config.topology import direct_http, engine_core_mode, ingress_in_engine, served_names, uses_gpu
+from flagserve.runner.deployment import Deployment
 from flagserve.runner.memory import estimate
 from flagserve.runner.placement import place
 
@@ -22,24 +21,23 @@ def _count(n: int) -> str:
 
 
 def _replicas(res) -> str:
-    return f"{res.min_replicas}..{res.max_replicas} (autoscaling)" if res.autoscaling else str(res.num_replicas)
+    if res.autoscaling:
+        return f"{res.min_replicas}..{res.max_replicas} (autoscaling)"
+    return str(res.num_replicas)
 
 
-def print_plan(config: Config, hosts: list[Host]) -> None:
+def print_plan(deployment: Deployment) -> None:
+    config, hosts = deployment.config, deployment.hosts
     exp = config.experiment
     head = hosts[0]
     gpus = sum(h.num_gpus for h in hosts)
     print(f"plan for {exp.exp_name}: {len(hosts)} host(s), {gpus} GPU(s); head {head.address}; "
           f"exp_dir {exp.exp_dir}")
-    if exp.runner.hostfile:
-        for h in hosts:
-            kind = f"{h.num_gpus} GPU(s)" if h.num_gpus else f"{h.slots} CPU slot(s)"
-            role = "Ray head + serving process" if h is head else "Ray node"
-            print(f"  host {h.address:<22} {role}, {kind}, resource host:{h.address}")
+    for h, role in deployment.roles():
+        kind = f"{h.num_gpus} GPU(s)" if h.num_gpus else f"{h.slots} CPU slot(s)"
+        print(f"  host {h.address:<22} {role}, {kind}, resource host:{h.address}")
     print(f"  {'deployment':<24} {'replicas':<18} placement")
-    bind = config.deploy.host
-    url_host = head.address if exp.runner.hostfile and bind in ("0.0.0.0", "::") else bind
-    url = f"http://{url_host}:{config.deploy.port}"
+    url = deployment.endpoint
     local = ingress_in_engine(config)
     via = "each replica listens on the port" if direct_http(config) else "through Ray Serve's proxy"
     if local is None:

@@ -16,6 +16,12 @@ class DeploymentStatus:
     replicas: dict[str, int]  # replica state -> count
     message: str = ""
 
+    def line(self) -> str:
+        """`name  status  replicas: 1 running[  message]`, as status prints it."""
+        replicas = ", ".join(f"{n} {s.lower()}" for s, n in sorted(self.replicas.items()))
+        return (f"{self.name:<20} {self.status:<10} replicas: {replicas or 'none'}"
+                + (f"  {self.message}" if self.message else ""))
+
 
 def serve_status(gcs_address: str, namespace: str, app_name: str, token_file: Path,
                  disconnect: bool = True) -> tuple[str, list[DeploymentStatus]]:

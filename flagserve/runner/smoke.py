@@ -3,42 +3,35 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from flagserve.config.schema import Config
 from flagserve.config.topology import served_names
-from flagserve.runner import http, local
-from flagserve.config.hostfile import Host
-from flagserve.cluster.records import ExpPaths, load_processes
+from flagserve.runner import http
+from flagserve.runner.deployment import Deployment
 
 
-def smoke_test(config: Config, hosts: list[Host] | None = None) -> int:
-    """`hosts`: a multi-host deployment (hostfile) instead of this host."""
+def smoke_test(deployment: Deployment) -> int:
+    """Test the running deployment (it stays running), or run one for the test and stop it."""
     started = False
-    paths = ExpPaths(Path(config.experiment.exp_dir))
-    url = local.endpoint(config)
-    if hosts is not None:
-        from flagserve.runner import multihost
-        url = multihost.endpoints(config, hosts[0].address)[1]
-    if hosts is None and local.is_running(paths) or hosts is not None and load_processes(paths):
+    if deployment.is_running():
         print("testing the deployment that is already running (it stays running)")
     else:
-        if (local.run(config) if hosts is None else multihost.run(config, hosts)) != 0:
+        if deployment.run() != 0:
             return 1
         started = True
     try:
-        problems = check(config, url)
+        problems = check(deployment.config, deployment.endpoint)
     finally:
         if started:
-            local.stop(config) if hosts is None else multihost.stop(config)
+            deployment.stop()
     for p in problems:
         print(f"FAIL: {p}", file=sys.stderr)
     print("test passed" if not problems else "test FAILED")
     return 0 if not problems else 1
 
 
-def check(config: Config, url: str | None = None) -> list[str]:
-    url, key = url or local.endpoint(config), config.api_key
+def check(config: Config, url: str) -> list[str]:
+    key = config.api_key
     problems = []
     for module_id, module in config.llms.items():
         model = served_names(module_id, module)[0]

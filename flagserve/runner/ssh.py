@@ -9,18 +9,19 @@ from __future__ import annotations
 import getpass
 import json
 import os
-import socket
 import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import paramiko
 
+from flagserve.cluster.records import HostRecord
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import RunnerConfig
 from flagserve.runner.host_commands import command_line
 
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+SSH_MARGIN_S = 60.0  # an agent verb's SSH timeout: on top of the one the agent enforces
 
 
 class HostError(Exception):
@@ -29,10 +30,6 @@ class HostError(Exception):
     def __init__(self, address: str, message: str):
         super().__init__(f"host {address}: {message}")
         self.address = address
-
-
-class HostUnreachable(HostError):
-    pass
 
 
 @dataclass
@@ -94,21 +91,20 @@ class Connection:
                 auth_timeout=ssh.connect_timeout, allow_agent=ssh.key_file is None,
                 look_for_keys=ssh.key_file is None)
         except paramiko.BadHostKeyException as err:
-            raise HostUnreachable(self.address, f"its host key does not match {known} "
-                                  f"({err.key.get_name()}); if the host was reinstalled, remove its "
-                                  "old entry") from None
+            raise HostError(self.address, f"its host key does not match {known} "
+                            f"({err.key.get_name()}); if the host was reinstalled, remove its "
+                            "old entry") from None
         except paramiko.AuthenticationException as err:
-            raise HostUnreachable(self.address, f"SSH key authentication as {self.user!r} failed "
-                                  f"({err}); set experiment.runner.ssh.key_file or user=") from None
+            raise HostError(self.address, f"SSH key authentication as {self.user!r} failed "
+                            f"({err}); set experiment.runner.ssh.key_file or user=") from None
         except paramiko.SSHException as err:
             hint = (" -- ssh to it once to record its key, or set "
                     "experiment.runner.ssh.known_hosts=auto_add"
                     if "known_hosts" in str(err) or "not found in" in str(err) else "")
-            raise HostUnreachable(self.address, f"SSH to {self.where()} failed: {err}{hint}") from None
-        except (OSError, socket.timeout) as err:
+            raise HostError(self.address, f"SSH to {self.where()} failed: {err}{hint}") from None
+        except OSError as err:  # timeouts included
             reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
-            raise HostUnreachable(self.address, f"cannot connect to SSH at {self.where()}: "
-                                  f"{reason}") from None
+            raise HostError(self.address, f"cannot connect to SSH at {self.where()}: {reason}") from None
         if ssh.known_hosts == "auto_add":
             known.parent.mkdir(parents=True, exist_ok=True)
             self.client.save_host_keys(str(known))
@@ -121,7 +117,7 @@ class Connection:
             out = stdout.read().decode(errors="replace")
             err = stderr.read().decode(errors="replace")
             return Result(stdout.channel.recv_exit_status(), out, err)
-        except (paramiko.SSHException, OSError, socket.timeout) as err:
+        except (paramiko.SSHException, OSError) as err:  # timeouts included
             raise HostError(self.address, f"command failed over SSH ({type(err).__name__}: {err}): "
                             f"{argv[:6]}") from None
 
@@ -157,13 +153,6 @@ class Connection:
             raise HostError(self.address, f"cannot create {path} over SFTP as {self.user!r}: "
                             f"{err} (exp_dir must be writable at the same path on every host)") from None
 
-    def exists(self, path: str) -> bool:
-        try:
-            self.sftp.stat(path)
-            return True
-        except FileNotFoundError:
-            return False
-
     def put_bytes(self, data: bytes, path: str, mode: int = 0o644) -> None:
         """Write a file on the host, created with `mode` before any byte is written."""
         try:
@@ -198,6 +187,38 @@ class Connection:
         if self._sftp is not None:
             self._sftp.close()
         self.client.close()
+
+
+class Connections:
+    """The SSH connections of one runner action, one per host: each opened on first use,
+    all closed together (stop, undoing a failed run, reuses the run's)."""
+
+    def __init__(self, runner: RunnerConfig):
+        self.runner = runner
+        self._by_address: dict[str, Connection] = {}
+
+    def __enter__(self) -> Connections:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+    def open(self, host: Host) -> Connection:
+        if host.address not in self._by_address:
+            self._by_address[host.address] = Connection(host, self.runner).connect()
+        return self._by_address[host.address]
+
+    def __getitem__(self, address: str) -> Connection:
+        return self._by_address[address]
+
+    def close(self) -> None:
+        for conn in self._by_address.values():
+            conn.close()
+
+
+def recorded_host(record: HostRecord) -> Host:
+    """A host as `run` reached it (its records), for stop and status: no hostfile needed."""
+    return Host(record.address, 1, ssh_port=record.ssh_port, user=record.user)
 
 
 def _verb(argv: list[str]) -> str:

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import yaml
 
-from flagserve.config import parse_config
-from flagserve.config.hostfile import Host, local_host
-from flagserve.config.topology import direct_http
 from flagserve.cluster.ray_env import OBJECT_STORE_BYTES, SERVE_ENV
 from flagserve.cluster.records import ExpPaths, RayRecord, save_ray
+from flagserve.config import parse_config
+from flagserve.config.hostfile import Host, local_host
+from flagserve.config.schema import Config
+from flagserve.config.topology import direct_http
 
 log = logging.getLogger("flagserve.server")
 
@@ -39,61 +40,87 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config, _ = parse_config(yaml.safe_load(args.config.read_text()))
-    paths = ExpPaths(Path(config.experiment.exp_dir))
     stop = threading.Event()
+    _stop_on_signals(stop)
+    # Ray Serve reads its settings when imported, in this process and in every Ray worker
+    # (which inherit this environment when this process starts the cluster).
+    for key, value in SERVE_ENV.items():
+        os.environ.setdefault(key, value)
+    import ray
 
+    cluster = json.loads(args.cluster.read_text()) if args.cluster is not None else None
+    hosts = _init_ray(config, cluster)
+    # ray.init installs Ray's own SIGTERM handler (it logs a stack trace and exits at once,
+    # before Serve is shut down): take SIGTERM/SIGINT back.
+    _stop_on_signals(stop)
+    try:
+        if cluster is not None:
+            wait_for_nodes(hosts, float(cluster.get("node_timeout_s", 120)))
+        else:
+            _record_cluster(config)
+        _serve_until(stop, config, hosts)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
     def on_signal(*_):
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
 
-    # Ray Serve reads its settings when imported, in this process and in every Ray worker
-    # (which inherit this environment when this process starts the cluster).
-    for key, value in SERVE_ENV.items():
-        os.environ.setdefault(key, value)
+
+def _init_ray(config: Config, cluster: dict | None) -> list[Host]:
+    """Join the runner's cluster (`cluster`), or start one on this host, which dies with this
+    process. Returns the hosts to deploy on."""
     import ray
+
+    if cluster is not None:
+        ray.init(address=cluster["address"], namespace=config.namespace,
+                 logging_level=logging.WARNING)
+        return [Host(**h) for h in cluster["hosts"]]
+    hosts = [local_host(config.experiment.envs)]
+    ray.init(namespace=config.namespace, include_dashboard=False, num_cpus=logical_cpus(config),
+             object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING)
+    return hosts
+
+
+def _record_cluster(config: Config) -> None:
+    """The cluster this process started, in the run's records (for status), and its logs
+    linked under exp_dir/logs/ray."""
+    import ray
+
+    paths = ExpPaths(Path(config.experiment.exp_dir))
+    node = ray._private.worker.global_worker.node  # noqa: SLF001 - the session dir
+    session_dir = node.get_session_dir_path()
+    _link_ray_logs(paths, Path(session_dir) / "logs")
+    save_ray(paths, RayRecord(ray.get_runtime_context().gcs_address, config.namespace,
+                              config.experiment.exp_name, session_dir, _bind_url(config)))
+
+
+def _serve_until(stop: threading.Event, config: Config, hosts: list[Host]) -> None:
+    """Deploy the graph; on `stop`, shut Serve down."""
     from ray import serve
 
     from flagserve.serve.app import build_app
 
     deploy = config.deploy
-    endpoint = f"http://{deploy.host}:{deploy.port}"
-    if args.cluster is not None:
-        cluster = json.loads(args.cluster.read_text())
-        hosts = [Host(**h) for h in cluster["hosts"]]
-        ray.init(address=cluster["address"], namespace=config.namespace,
-                 logging_level=logging.WARNING)
-    else:
-        hosts = [local_host(config.experiment.envs)]
-        ray.init(namespace=config.namespace, include_dashboard=False, num_cpus=logical_cpus(config),
-                 object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING)
-    # ray.init installs Ray's own SIGTERM handler (it logs a stack trace and exits at once,
-    # before Serve is shut down): take SIGTERM/SIGINT back.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    try:
-        if args.cluster is not None:
-            wait_for_nodes(hosts, float(cluster.get("node_timeout_s", 120)))
-        else:
-            node = ray._private.worker.global_worker.node  # noqa: SLF001 - the session dir
-            session_dir = node.get_session_dir_path()
-            _link_ray_logs(paths, Path(session_dir) / "logs")
-            save_ray(paths, RayRecord(ray.get_runtime_context().gcs_address, config.namespace,
-                                      config.experiment.exp_name, session_dir, endpoint))
-        # With deploy.http_server = replicas the ingress replicas listen on the port
-        # themselves; Serve starts no proxy.
-        serve.start(http_options={"host": deploy.host, "port": deploy.port},
-                    proxy_location="Disabled" if direct_http(config) else "HeadOnly")
-        serve.run(build_app(config, hosts), name=config.experiment.exp_name, route_prefix="/")
-        log.info("serving %s at %s", config.experiment.exp_name, endpoint)
-        while not stop.wait(1.0):
-            pass
-        log.info("stopping")
-        serve.shutdown()
-    finally:
-        ray.shutdown()
-    return 0
+    # With deploy.http_server = replicas the ingress replicas listen on the port
+    # themselves; Serve starts no proxy.
+    serve.start(http_options={"host": deploy.host, "port": deploy.port},
+                proxy_location="Disabled" if direct_http(config) else "HeadOnly")
+    serve.run(build_app(config, hosts), name=config.experiment.exp_name, route_prefix="/")
+    log.info("serving %s at %s", config.experiment.exp_name, _bind_url(config))
+    while not stop.wait(1.0):
+        pass
+    log.info("stopping")
+    serve.shutdown()
+
+
+def _bind_url(config: Config) -> str:
+    return f"http://{config.deploy.host}:{config.deploy.port}"
 
 
 def wait_for_nodes(hosts: list[Host], timeout_s: float) -> None:

@@ -12,6 +12,7 @@ machine uses are touched. `ip netns exec` is used here only; the runner under te
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import random
 import shutil
@@ -205,10 +206,8 @@ class NetnsCluster:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 pids = self.pids(host)
                 for pid in pids:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
                 deadline = time.monotonic() + 5
                 while pids and time.monotonic() < deadline:
                     time.sleep(0.2)

@@ -6,12 +6,12 @@ import shlex
 import sys
 from pathlib import Path
 
+from flagserve.cluster.ray_env import SERVE_ENV
 from flagserve.config import parse_config
 from flagserve.config.hostfile import parse_hostfile_text
 from flagserve.runner import host_commands as cmd
 from flagserve.runner.environment import REPO_ROOT
 from flagserve.runner.ssh import ssh_target
-from flagserve.cluster.ray_env import SERVE_ENV
 
 PY = "/opt/venv/bin/python"
 AGENT = ["env", f"PYTHONPATH={REPO_ROOT}", PY, "-m", "flagserve.runner.agent"]
@@ -61,7 +61,8 @@ def test_worker_node_joins_the_head_with_cpus_and_its_host_resource():
     assert "--name=ray-worker" in argv and not any(a.startswith("--wait-port") for a in argv)
     # each host reads the token from its own copy in the experiment dir, never ~/.ray
     assert "--env=RAY_AUTH_TOKEN_PATH=/srv/exp/hosts/10.0.0.2/ray_auth_token" in argv
-    assert cmd.HostPaths("/srv/exp", "10.0.0.1").ray_temp_dir != cmd.HostPaths("/srv/exp", "10.0.0.2").ray_temp_dir
+    temp_dirs = {cmd.HostPaths("/srv/exp", a).ray_temp_dir for a in ("10.0.0.1", "10.0.0.2")}
+    assert len(temp_dirs) == 2
 
 
 def test_server_on_the_head_joins_the_cluster():

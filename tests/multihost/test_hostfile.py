@@ -28,7 +28,8 @@ def test_type_defaults_to_gpu():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("10.0.0.1 slots=8\n10.0.0.1 slots=4", "hosts.txt:2: '10.0.0.1 slots=4': duplicate host 10.0.0.1 (first listed on line 1)"),
+    ("10.0.0.1 slots=8\n10.0.0.1 slots=4",
+     "hosts.txt:2: '10.0.0.1 slots=4': duplicate host 10.0.0.1 (first listed on line 1)"),
     ("10.0.0.1", "hosts.txt:1: '10.0.0.1': needs slots=N"),
     ("10.0.0.1 slots=0", "needs slots=N with N >= 1"),
     ("10.0.0.1 slots=x", "needs slots=N"),

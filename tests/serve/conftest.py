@@ -40,8 +40,8 @@ class Deployment:
 
 def kill_recorded(exp_dir: Path) -> None:
     """Last resort when action=stop failed: end the recorded sessions (our pids only)."""
-    from flagserve.runner.launcher import terminate
     from flagserve.cluster.records import ExpPaths, load_processes
+    from flagserve.runner.launcher import terminate
     for record in load_processes(ExpPaths(exp_dir)):
         terminate(record, grace_s=5)
 

@@ -1,0 +1,68 @@
+"""One interface over where a deployment runs: this host, or the hosts of a hostfile over SSH.
+
+deployment_for picks the implementation once, from the config; run.py's actions (run, stop,
+status, test, plan, bench) then call it without asking which.
+"""
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import yaml
+
+from flagserve.cluster.records import ExpPaths
+from flagserve.config.hostfile import Host
+from flagserve.config.schema import Config
+
+
+class Deployment(ABC):
+    """The serving graph of one experiment, its records under exp_dir/run/.
+
+    `hosts`: where it runs (the hostfile's, or this host); stop and status need none, they
+    work from the records `run` left."""
+
+    def __init__(self, config: Config, hosts: list[Host]):
+        self.config = config
+        self.hosts = hosts
+        self.paths = ExpPaths(Path(config.experiment.exp_dir))
+
+    def save_config(self) -> None:
+        """The resolved config the serving process starts from: exp_dir/config.yaml."""
+        self.paths.config.write_text(yaml.safe_dump(dataclasses.asdict(self.config),
+                                                    sort_keys=False))
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str:
+        """The URL of the OpenAI API as this machine reaches it (no /v1)."""
+
+    @abstractmethod
+    def roles(self) -> list[tuple[Host, str]]:
+        """What runs on each host, for plan; empty on this host alone."""
+
+    @abstractmethod
+    def is_running(self) -> bool:
+        """Records of a deployment that `stop` has not yet ended."""
+
+    @abstractmethod
+    def run(self) -> int:
+        """Start it, wait until /health answers, print how to use it. Returns the exit code."""
+
+    @abstractmethod
+    def stop(self) -> int:
+        """Stop exactly what `run` started and forget its records. Returns the exit code."""
+
+    @abstractmethod
+    def status(self) -> int:
+        """Print its health, processes and Serve deployments; 0 when all is well."""
+
+
+def deployment_for(config: Config, hosts: list[Host]) -> Deployment:
+    """The multi-host deployment when the config names a hostfile, else this host's."""
+    # Imported here: the multi-host runner brings paramiko, which a local run never needs.
+    if config.experiment.runner.hostfile:
+        from flagserve.runner.multihost import MultiHostDeployment
+        return MultiHostDeployment(config, hosts)
+    from flagserve.runner.local import LocalDeployment
+    return LocalDeployment(config, hosts)
