@@ -10,7 +10,7 @@ Results: <exp_dir>/bench/<time>[-<point>]/result.json, result.png, baselines.png
 multirun every point is one such run (its own deployment), and finish_sweep() writes the
 combined table to <exp_dir>/bench/sweep-<time>/.
 
-The benchmark code lives in benchmarks/serving (importable from the repository root).
+The benchmark itself lives in flagserve/bench (suite.py).
 """
 from __future__ import annotations
 
@@ -23,21 +23,14 @@ from typing import Any
 
 import yaml
 
+from flagserve.bench import suite
+from flagserve.cluster.records import ExpPaths, load_processes
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.config.topology import engine_args_for, served_names, uses_gpu
 from flagserve.runner import local
-from flagserve.cluster.records import ExpPaths, load_processes
 
-REPO = Path(__file__).resolve().parents[2]
 SWEEP: list[dict[str, Any]] = []  # one entry per bench run of this process (multirun points)
-
-
-def _import_suite() -> Any:
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    from benchmarks.serving import suite
-    return suite
 
 
 def _hydra_overrides() -> tuple[list[str], bool]:
@@ -93,7 +86,6 @@ def config_differences(paths: ExpPaths, config: Config) -> list[str]:
 
 def bench(config: Config, hosts: list[Host] | None = None) -> int:
     """`hosts`: a multi-host deployment (hostfile) instead of this host."""
-    suite = _import_suite()
     b = config.experiment.bench
     module_id = b.module or next(iter(config.llms))
     module = config.llms[module_id]
@@ -178,7 +170,6 @@ def finish_sweep() -> None:
     """After a Hydra multirun: one table (and sweep.json, sweep.png) over every bench point."""
     if len(SWEEP) < 2:
         return
-    suite = _import_suite()
     keys: dict[str, list[str]] = {}
     for point in SWEEP:
         for o in point["overrides"]:

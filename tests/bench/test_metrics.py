@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.serving.metrics import RequestResult, compute, max_concurrency, stats, throughput_over_time
-from benchmarks.serving.prom import parse, prefix_cache_delta
+from flagserve.bench.metrics import RequestResult, compute, max_concurrency, stats, throughput_over_time
+from flagserve.bench.prom import parse, prefix_cache_delta
 
 
 def result(start, ttft, gaps, output_len=None, prompt_len=10):

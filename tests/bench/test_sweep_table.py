@@ -2,7 +2,7 @@
 columns when the points ran that baseline."""
 from __future__ import annotations
 
-from benchmarks.serving.metrics import RequestResult, compute
+from flagserve.bench.metrics import RequestResult, compute
 from flagserve.runner import bench
 
 

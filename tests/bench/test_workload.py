@@ -8,9 +8,14 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from benchmarks.serving.datasets import (build_dataset, jsonl_dataset, lengths, random_dataset,
-                                         shared_prefix_dataset)
-from benchmarks.serving.schedule import arrival_offsets
+from flagserve.bench.datasets import (
+    build_dataset,
+    jsonl_dataset,
+    lengths,
+    random_dataset,
+    shared_prefix_dataset,
+)
+from flagserve.bench.schedule import arrival_offsets
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +81,7 @@ def test_poisson_schedule():
 
 
 def test_each_pass_has_its_own_prompts(tokenizer):
-    from benchmarks.serving.suite import Settings, workload
+    from flagserve.bench.suite import Settings, workload
     s = Settings(num_prompts=6, input_len=16, output_len=4, range_ratio=0.5, request_rate=5.0)
     first, again, second = workload(s, tokenizer), workload(s, tokenizer, 0), workload(s, tokenizer, 1)
     assert [x.text for x in first[0]] == [x.text for x in again[0]] and first[1] == again[1]

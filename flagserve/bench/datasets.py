@@ -10,9 +10,10 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-DATASETS = ("random", "shared-prefix", "jsonl")
+from flagserve.config.schema import BenchDataset
+
 MAX_ROUNDS = 16  # decode/re-encode rounds before giving up on one prompt
 
 
@@ -26,6 +27,12 @@ class SampleRequest:
     @property
     def text(self) -> str:
         return self.prefix + self.prompt
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """The chat request: the prefix as the system message, the prompt as the user's."""
+        system = [{"role": "system", "content": self.prefix}] if self.prefix else []
+        return system + [{"role": "user", "content": self.prompt}]
 
 
 def lengths(mean: int, range_ratio: float, n: int, rng: random.Random) -> list[int]:
@@ -76,7 +83,8 @@ def random_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len:
                    range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
     maker = PromptMaker(tokenizer, seed)
     rng = random.Random(seed)
-    ins, outs = lengths(input_len, range_ratio, num_prompts, rng), lengths(output_len, range_ratio, num_prompts, rng)
+    ins = lengths(input_len, range_ratio, num_prompts, rng)
+    outs = lengths(output_len, range_ratio, num_prompts, rng)
     return [SampleRequest(maker.text(max(1, n - maker.num_special)), max(n, maker.num_special + 1), o)
             for n, o in zip(ins, outs)]
 
@@ -89,7 +97,8 @@ def shared_prefix_dataset(tokenizer: Any, num_prompts: int, prefix_len: int, inp
     rng = random.Random(seed)
     prefix = maker.text(max(1, prefix_len - maker.num_special))
     base = len(maker.encode(prefix)) + maker.num_special
-    ins, outs = lengths(input_len, range_ratio, num_prompts, rng), lengths(output_len, range_ratio, num_prompts, rng)
+    ins = lengths(input_len, range_ratio, num_prompts, rng)
+    outs = lengths(output_len, range_ratio, num_prompts, rng)
     return [SampleRequest(maker.text(n, head=prefix), base + n, o, prefix=prefix)
             for n, o in zip(ins, outs)]
 
@@ -119,9 +128,9 @@ def jsonl_dataset(path: str | Path, num_prompts: int | None, output_len: int | N
     return out
 
 
-def build_dataset(name: str, tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
-                  range_ratio: float = 0.0, prefix_len: int = 0, path: str | None = None,
-                  seed: int = 0) -> list[SampleRequest]:
+def build_dataset(name: BenchDataset, tokenizer: Any, num_prompts: int, input_len: int,
+                  output_len: int, range_ratio: float = 0.0, prefix_len: int = 0,
+                  path: str | None = None, seed: int = 0) -> list[SampleRequest]:
     if name == "random":
         return random_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
     if name == "shared-prefix":
@@ -131,4 +140,4 @@ def build_dataset(name: str, tokenizer: Any, num_prompts: int, input_len: int, o
         if not path:
             raise ValueError("the jsonl dataset needs a path")
         return jsonl_dataset(path, num_prompts, output_len, tokenizer)
-    raise ValueError(f"unknown dataset {name!r}; use one of {', '.join(DATASETS)}")
+    raise ValueError(f"unknown dataset {name!r}; use one of {', '.join(get_args(BenchDataset))}")

@@ -10,17 +10,30 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from tqdm import tqdm
 
-from benchmarks.serving.datasets import SampleRequest
-from benchmarks.serving.metrics import RequestResult
+from flagserve.bench.datasets import SampleRequest
+from flagserve.bench.metrics import RequestResult
+from flagserve.config.schema import BenchEndpoint
 
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINTS: dict[BenchEndpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 TIMEOUT_S = 6 * 3600
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def get(root: str, path: str, api_key: str | None, timeout: float) -> bytes:
+    """The body of GET root + path (/v1/models, /metrics); raises OSError on failure."""
+    req = urllib.request.Request(root.rstrip("/") + path, headers=auth_headers(api_key))
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read()
 
 
 @dataclass
@@ -28,7 +41,7 @@ class Target:
     base_url: str  # e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
     model: str
     api_key: str | None = None
-    endpoint: str = "completions"  # or "chat"
+    endpoint: BenchEndpoint = "completions"
     ignore_eos: bool = True  # generate exactly output_len tokens (vLLM's extra field)
     temperature: float = 0.0
     extra_body: dict[str, Any] | None = None
@@ -43,14 +56,13 @@ class Target:
         return self.root + ENDPOINTS[self.endpoint]
 
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return auth_headers(self.api_key)
 
     def body(self, sample: SampleRequest) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "stream": True, "temperature": self.temperature,
                                 "stream_options": {"include_usage": True}}
         if self.endpoint == "chat":
-            messages = [{"role": "system", "content": sample.prefix}] if sample.prefix else []
-            body["messages"] = messages + [{"role": "user", "content": sample.prompt}]
+            body["messages"] = sample.messages
         else:
             body["prompt"] = sample.text
         if sample.output_len is not None:
@@ -65,6 +77,14 @@ def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
     if chat:
         return (choice.get("delta") or {}).get("content") or ""
     return choice.get("text") or ""
+
+
+def _take_usage(result: RequestResult, usage: dict[str, Any]) -> None:
+    """The server's own token counts (stream_options.include_usage)."""
+    result.output_len = usage.get("completion_tokens") or 0
+    result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
+    details = usage.get("prompt_tokens_details") or {}
+    result.cached_tokens = details.get("cached_tokens")
 
 
 async def send_one(session: aiohttp.ClientSession, target: Target, sample: SampleRequest,
@@ -102,12 +122,8 @@ async def send_one(session: aiohttp.ClientSession, target: Target, sample: Sampl
                         result.error = str(event["error"].get("message", event["error"]))[:200]
                         return result
                     text = text or any(_chunk_text(c, chat) for c in event.get("choices") or ())
-                    usage = event.get("usage")
-                    if usage:
-                        result.output_len = usage.get("completion_tokens") or 0
-                        result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
-                        details = usage.get("prompt_tokens_details") or {}
-                        result.cached_tokens = details.get("cached_tokens")
+                    if event.get("usage"):
+                        _take_usage(result, event["usage"])
                 if text:
                     if chunks == 0:
                         result.ttft = now - start

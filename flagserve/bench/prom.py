@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.error
-import urllib.request
+
+from flagserve.bench.client import get
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
@@ -23,13 +23,9 @@ def parse(text: str, names: tuple[str, ...] = COUNTERS) -> dict[str, float]:
 
 def scrape(root: str, api_key: str | None = None, timeout: float = 10.0) -> dict[str, float] | None:
     """The counters, or None when the server has no readable /metrics."""
-    req = urllib.request.Request(root.rstrip("/") + "/metrics")
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return parse(resp.read().decode(errors="replace"))
-    except (OSError, urllib.error.URLError, ValueError):
+        return parse(get(root, "/metrics", api_key, timeout).decode(errors="replace"))
+    except (OSError, ValueError):
         return None
 
 

@@ -1,11 +1,11 @@
-"""One benchmark run with its baselines: what benchmarks/serve.py and run.py action=bench do.
+"""One benchmark run with its baselines: what cli.py (benchmarks/serve.py) and action=bench do.
 
     workload   samples (datasets.py) + arrival offsets (schedule.py), built once and shared
     http       the workload against an OpenAI-compatible endpoint (client.py), with the
                prefix-cache hit rate from /metrics
     baselines  serving_path: the same workload straight into LLMEngine (inprocess.py)
                prefix_caching: a shared-prefix workload in-process, caching on vs off
-               continuous_batching: engine vs HF generate (benchmarks/throughput.py)
+               continuous_batching: engine vs HF generate (throughput.py)
     save       result.json, result.png (latency CDFs, throughput over time), baselines.png
 """
 from __future__ import annotations
@@ -18,17 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import plot, prom, report
-from benchmarks.serving.client import Target, bench_http, warm_up
-from benchmarks.serving.datasets import SampleRequest, build_dataset, shared_prefix_dataset
-from benchmarks.serving.metrics import BenchmarkMetrics, RequestResult, compute
-from benchmarks.serving.schedule import arrival_offsets
+from flagserve.bench import plot, prom, report
+from flagserve.bench.client import Target, bench_http, warm_up
+from flagserve.bench.datasets import SampleRequest, build_dataset, shared_prefix_dataset
+from flagserve.bench.metrics import BenchmarkMetrics, RequestResult, compute
+from flagserve.bench.schedule import arrival_offsets
+from flagserve.config.schema import BenchBaseline, BenchDataset, BenchEndpoint
 
 
 @dataclass
 class Settings:
     """The workload; the fields of experiment.bench (flagserve.config.schema.BenchConfig)."""
-    dataset: str = "random"
+    dataset: BenchDataset = "random"
     dataset_path: str | None = None
     num_prompts: int = 200
     input_len: int = 128
@@ -38,16 +39,16 @@ class Settings:
     request_rate: float = float("inf")
     burstiness: float = 1.0
     max_concurrency: int | None = None
-    endpoint: str = "completions"
+    endpoint: BenchEndpoint = "completions"
     ignore_eos: bool = True
     seed: int = 0
     warmup: int = 2
-    baselines: list[str] = field(default_factory=list)
+    baselines: list[BenchBaseline] = field(default_factory=list)
     progress: bool = True
     repeats: int = 1  # passes of the serving_path comparison (each on prompts of seed + pass)
 
     @classmethod
-    def from_config(cls, bench: Any) -> "Settings":
+    def from_config(cls, bench: Any) -> Settings:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in dataclasses.asdict(bench).items() if k in names})
 
@@ -129,7 +130,7 @@ def _threads(num_threads: int | None) -> None:
 
 def engine_run(label: str, engine: Any, s: Settings, samples: list[SampleRequest],
                offsets: list[float]) -> Run:
-    from benchmarks.serving.inprocess import bench_engine
+    from flagserve.bench.inprocess import bench_engine
     results, duration = bench_engine(engine, samples, offsets, s.max_concurrency, s.endpoint,
                                      s.ignore_eos, s.progress, s.warmup)
     metrics = compute(results, duration)
@@ -174,7 +175,8 @@ def serving_path(passes: list[Pass], engine_args: dict[str, Any], s: Settings) -
     return engine_runs[0], summary
 
 
-def prefix_caching(engine_args: dict[str, Any], tokenizer: Any, s: Settings) -> tuple[list[Run], dict[str, Any]]:
+def prefix_caching(engine_args: dict[str, Any], tokenizer: Any, s: Settings
+                   ) -> tuple[list[Run], dict[str, Any]]:
     """A shared-prefix workload in-process with prefix caching on and off."""
     samples = shared_prefix_dataset(tokenizer, s.num_prompts, s.prefix_len, s.input_len,
                                     s.output_len, s.range_ratio, s.seed)
@@ -190,7 +192,8 @@ def prefix_caching(engine_args: dict[str, Any], tokenizer: Any, s: Settings) -> 
         "on": {k: on.metrics.latency_ms[k] for k in ("ttft", "e2el")},
         "off": {k: off.metrics.latency_ms[k] for k in ("ttft", "e2el")},
         "on_hit_rate": on.prefix_cache["hit_rate"] if on.prefix_cache else None,
-        "ttft_ratio": off.metrics.latency_ms["ttft"]["median"] / max(on.metrics.latency_ms["ttft"]["median"], 1e-9),
+        "ttft_ratio": (off.metrics.latency_ms["ttft"]["median"]
+                       / max(on.metrics.latency_ms["ttft"]["median"], 1e-9)),
         "on_output_throughput": on.metrics.output_throughput,
         "off_output_throughput": off.metrics.output_throughput,
     }
@@ -198,12 +201,14 @@ def prefix_caching(engine_args: dict[str, Any], tokenizer: Any, s: Settings) -> 
 
 
 def continuous_batching(engine_args: dict[str, Any], tokenizer: Any, samples: list[SampleRequest],
-                        endpoint: str) -> dict[str, Any]:
-    """The bench's prompts offline: FlagServe's engine vs HF generate (benchmarks/throughput.py)."""
-    from benchmarks.serving.inprocess import encode
-    from benchmarks.throughput import Workload, compare
+                        endpoint: BenchEndpoint) -> dict[str, Any]:
+    """The bench's prompts offline: FlagServe's engine vs HF generate (throughput.py)."""
+    from flagserve.bench.inprocess import encode
+    from flagserve.bench.throughput import Workload, compare
+    from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 
-    prompts = [encode(tokenizer, s, endpoint) for s in samples]
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    prompts = [encode(prompt_tokenizer, s, endpoint) for s in samples]
     limit = engine_args.get("max_model_len") or 10**9
     work = Workload(prompts, [s.output_len or max(1, limit - len(p)) for s, p in zip(samples, prompts)])
     args = {k: v for k, v in engine_args.items() if k not in ("model", "dtype", "max_num_seqs",
@@ -242,9 +247,10 @@ def baseline_lines(baselines: dict[str, Any]) -> list[str]:
         itl = sp["itl_overhead_pct"]
         passes = sp.get("passes")
         over = f", medians of {len(passes)} passes" if passes else ""
-        lines.append(f"serving path{over}: median TTFT {sp['http']['ttft']['median']:.2f} ms via HTTP vs "
-                     f"{sp['engine']['ttft']['median']:.2f} ms in-process (+{sp['ttft_overhead_ms']:.2f} ms); "
-                     f"median ITL {sp['http']['itl']['median']:.3f} vs {sp['engine']['itl']['median']:.3f} ms "
+        h, e = sp["http"], sp["engine"]
+        lines.append(f"serving path{over}: median TTFT {h['ttft']['median']:.2f} ms via HTTP vs "
+                     f"{e['ttft']['median']:.2f} ms in-process (+{sp['ttft_overhead_ms']:.2f} ms); "
+                     f"median ITL {h['itl']['median']:.3f} vs {e['itl']['median']:.3f} ms "
                      f"({itl:+.1f}%)" if itl is not None else "")
         if passes:
             lines.append("  per pass: " + "; ".join(

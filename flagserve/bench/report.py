@@ -1,6 +1,7 @@
 """The printed result table (the layout of vLLM's `bench serve`) and the JSON result."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving.metrics import LATENCIES, NAMES, BenchmarkMetrics
+from flagserve.bench.metrics import LATENCIES, NAMES, BenchmarkMetrics
 
 WIDTH = 50
 
@@ -25,7 +26,8 @@ def table(m: BenchmarkMetrics, title: str = "Serving Benchmark Result",
           max_concurrency: int | None = None) -> str:
     lines = [f"{' ' + title + ' ':=^{WIDTH}}"]
     if request_rate is not None:
-        lines.append(_row("Request rate (req/s):", "inf" if math.isinf(request_rate) else float(request_rate)))
+        rate = "inf" if math.isinf(request_rate) else float(request_rate)
+        lines.append(_row("Request rate (req/s):", rate))
     if max_concurrency:
         lines.append(_row("Maximum request concurrency:", max_concurrency))
     lines += [
@@ -58,10 +60,8 @@ def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "host": platform.node(),
                             "python": platform.python_version(), "cpus": os.cpu_count(),
                             "platform": platform.platform()}
-    try:
+    with contextlib.suppress(OSError):
         info["loadavg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        pass
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

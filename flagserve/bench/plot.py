@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # no display; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.serving.metrics import BenchmarkMetrics, RequestResult, throughput_over_time  # noqa: E402
+from flagserve.bench.metrics import BenchmarkMetrics, RequestResult, throughput_over_time  # noqa: E402
 
 COLORS = {"http": "#1f77b4", "engine": "#ff7f0e", "on": "#2ca02c", "off": "#d62728", "hf": "#7f7f7f"}
 

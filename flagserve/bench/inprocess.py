@@ -10,32 +10,33 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.serving.datasets import SampleRequest
-from benchmarks.serving.metrics import RequestResult
+from flagserve.bench.datasets import SampleRequest
+from flagserve.bench.metrics import RequestResult
+from flagserve.config.schema import BenchEndpoint
+from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 
 
-def encode(tokenizer: Any, sample: SampleRequest, endpoint: str) -> list[int]:
-    """Token ids exactly as FlagServe's server makes them (flagserve/serve/tokenizer.py)."""
+def encode(tokenizer: PromptTokenizer, sample: SampleRequest, endpoint: BenchEndpoint) -> list[int]:
+    """Token ids exactly as FlagServe's server makes them."""
     if endpoint == "chat":
-        messages = [{"role": "system", "content": sample.prefix}] if sample.prefix else []
-        messages.append({"role": "user", "content": sample.prompt})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(sample.text)
+        return tokenizer.encode_chat(sample.messages, add_generation_prompt=True, template_kwargs=None)
+    return tokenizer.encode_prompts([sample.text])[0]
 
 
 def bench_engine(engine: Any, samples: list[SampleRequest], offsets: list[float],
-                 max_concurrency: int | None = None, endpoint: str = "completions",
+                 max_concurrency: int | None = None, endpoint: BenchEndpoint = "completions",
                  ignore_eos: bool = True, progress: bool = True, warmup: int = 1
                  ) -> tuple[list[RequestResult], float]:
     """Drive `engine` (an LLMEngine) with the workload; returns results and the duration."""
     from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
-    ids = [encode(engine.tokenizer, s, endpoint) for s in samples]
+    prompts = PromptTokenizer(engine.tokenizer)
+    ids = [encode(prompts, s, endpoint) for s in samples]
 
     def params(sample: SampleRequest, prompt_len: int, cap: int | None = None) -> SamplingParams:
         max_tokens = sample.output_len or engine.max_model_len - prompt_len
@@ -46,21 +47,29 @@ def bench_engine(engine: Any, samples: list[SampleRequest], offsets: list[float]
         engine.add_request(f"warmup-{i}", ids[i], params(samples[i], len(ids[i]), cap=8))
     while engine.has_unfinished():
         engine.step()
+    return _drive(engine, ids, lambda i: params(samples[i], len(ids[i])), offsets,
+                  max_concurrency, progress)
 
+
+def _drive(engine: Any, ids: list[list[int]], params: Callable[[int], Any], offsets: list[float],
+           max_concurrency: int | None, progress: bool) -> tuple[list[RequestResult], float]:
+    """Request i (prompt ids[i], sampling params(i)) goes in at offsets[i]; every step's
+    outputs are timed as the HTTP client times its chunks."""
     results = [RequestResult(success=False, prompt_len=len(p)) for p in ids]
-    starts = [0.0] * len(samples)
-    last = [0.0] * len(samples)
-    pending = deque(sorted(range(len(samples)), key=lambda i: offsets[i]))
+    starts = [0.0] * len(ids)
+    last = [0.0] * len(ids)
+    pending = deque(sorted(range(len(ids)), key=lambda i: offsets[i]))
     active = 0
-    bar = tqdm(total=len(samples), desc="in-process", unit="req", disable=not progress, smoothing=0)
+    bar = tqdm(total=len(ids), desc="in-process", unit="req", disable=not progress, smoothing=0)
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
         now = time.perf_counter()
-        while pending and t0 + offsets[pending[0]] <= now and (not max_concurrency or active < max_concurrency):
+        while (pending and t0 + offsets[pending[0]] <= now
+               and (not max_concurrency or active < max_concurrency)):
             i = pending.popleft()
             starts[i] = now
             results[i].start = now - t0
-            engine.add_request(str(i), ids[i], params(samples[i], len(ids[i])), arrival_time=time.time())
+            engine.add_request(str(i), ids[i], params(i), arrival_time=time.time())
             active += 1
             now = time.perf_counter()
         if not engine.has_unfinished():

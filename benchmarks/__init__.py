@@ -1,1 +1,0 @@
-"""Benchmarks: offline throughput (throughput.py) and serving (serve.py, serving/)."""
