@@ -14,6 +14,7 @@ from flagserve.config.hostfile import Host
 from flagserve.config.schema import PARALLEL_ARGS, Config, LLMModule, ResourcesConfig, UserModule
 from flagserve.config.topology import engine_args_for, ingress_autoscales, served_names, uses_gpu
 from flagserve.models.architectures import HF_ARCHITECTURES
+from flagserve.models.config import load_model_config
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -123,8 +124,6 @@ def _check_llm(module_id: str, module: LLMModule) -> None:
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{path}.engine_args.model", f"{str(model_dir)!r} has no config.json",
                           "point it at a Hugging Face model directory")
-    # Imported here: models.config reaches torch (RopeConfig), which stop/status must not pay for.
-    from flagserve.models.config import load_model_config
     try:
         model_cfg = load_model_config(model_dir)
     except (ValueError, KeyError) as err:

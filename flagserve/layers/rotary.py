@@ -1,24 +1,11 @@
 """Rotary embedding: the frequency table (default, linear and Llama-3 scaling) and its layer."""
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
+from flagserve.layers.rope import RopeConfig
 from kernels import KernelOps
-
-RopeType = Literal["default", "linear", "llama3"]
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    rope_type: RopeType = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import get_args
 
-from flagserve.layers.rotary import RopeConfig, RopeType
+from flagserve.layers.rope import RopeConfig, RopeType
 from flagserve.models.architectures import HF_ARCHITECTURES
 
 

@@ -9,10 +9,10 @@ memory allows). Prefill: causal attention of whole prompts (and chunked-prefill 
 cached prefix) in TFLOP/s, against SDPA on the same data. Every shape also checks the Triton
 output against SDPA's (max err column).
 
-    python benchmarks/kernels.py                        # decode + prefill, bf16, on a GPU
-    python benchmarks/kernels.py --dtype float16 --only decode --peak-gbps 3350
-    python benchmarks/kernels.py --cuda-graph           # time without Python launch overhead
-    python benchmarks/kernels.py --cpu-smoke            # tiny shapes in the Triton interpreter
+    python benchmarks/attention.py                        # decode + prefill, bf16, on a GPU
+    python benchmarks/attention.py --dtype float16 --only decode --peak-gbps 3350
+    python benchmarks/attention.py --cuda-graph           # time without Python launch overhead
+    python benchmarks/attention.py --cpu-smoke            # tiny shapes in the Triton interpreter
 
 Targets (issue 3): decode above 70% of peak HBM bandwidth at large batch x context, and faster
 than SDPA at every measured shape.
@@ -22,12 +22,10 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Kernel modules are imported inside functions: --cpu-smoke must set TRITON_INTERPRET first.
 
 # Peak HBM bandwidth (GB/s) by device-name fragment, most specific first.
@@ -281,7 +279,7 @@ def main() -> int:
     if args.cpu_smoke:
         return cpu_smoke(args)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU (none found). "
+        print("benchmarks/attention.py needs a CUDA GPU (none found). "
               "Use --cpu-smoke to check the script on CPU with the Triton interpreter.")
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
