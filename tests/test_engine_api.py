@@ -28,7 +28,8 @@ def test_finish_reason_reads_as_its_plain_value():
 
 def test_abort_frees_blocks_and_silences_the_request(engine):
     engine.add_request("keep", "We cook rice and beans", SamplingParams(max_tokens=8, ignore_eos=True))
-    engine.add_request("drop", "The weather today is sunny " * 4, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("drop", "The weather today is sunny " * 4,
+                       SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.abort("drop")
     engine.abort("unknown-id")  # ignored
@@ -118,7 +119,8 @@ def test_half_precision_runs_on_cpu(llama_path, dtype):
     llm = LLM(llama_path, dtype=dtype)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     half = llm.generate(["The weather today"], params, use_tqdm=False)[0].outputs[0]
-    full = LLM(llama_path, dtype="float32").generate(["The weather today"], params, use_tqdm=False)[0].outputs[0]
+    fp32 = LLM(llama_path, dtype="float32")
+    full = fp32.generate(["The weather today"], params, use_tqdm=False)[0].outputs[0]
     assert half.token_ids[0] == full.token_ids[0]  # the decisive tiny model agrees at first
     assert half.logprobs[0][half.token_ids[0]].logprob == pytest.approx(
         full.logprobs[0][full.token_ids[0]].logprob, abs=0.1)

@@ -121,9 +121,12 @@ def test_bad_parallel_args(overrides, words):
 
 
 @pytest.mark.parametrize("overrides,words", [
-    (dict(tensor_parallel_size=3), "tensor_parallel_size must divide the model's num_attention_heads=4, got 3"),
-    (dict(tensor_parallel_size=4), "tensor_parallel_size must divide the model's num_key_value_heads=2, got 4"),
-    (dict(pipeline_parallel_size=3), r"pipeline_parallel_size must be at most the model's 2 layers \(a stage needs one\), got 3"),
+    (dict(tensor_parallel_size=3),
+     "tensor_parallel_size must divide the model's num_attention_heads=4, got 3"),
+    (dict(tensor_parallel_size=4),
+     "tensor_parallel_size must divide the model's num_key_value_heads=2, got 4"),
+    (dict(pipeline_parallel_size=3),
+     r"pipeline_parallel_size must be at most the model's 2 layers \(a stage needs one\), got 3"),
 ])
 def test_layouts_the_model_cannot_split(llama_path, overrides, words):
     with pytest.raises(ValueError, match=words):

@@ -2,7 +2,6 @@
 from flagserve import LLM, SamplingParams
 from flagserve.engine import block_manager as bm_module
 from flagserve.engine.block_manager import BlockManager
-from flagserve.engine.sampling_params import SamplingParams as SP
 from flagserve.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -45,13 +44,13 @@ def test_later_request_reuses_freed_blocks(llama_path):
 
 def test_hash_collisions_never_share_wrong_blocks(llama_path, monkeypatch):
     expected, _, _ = run(llama_path, False)
-    monkeypatch.setattr(bm_module, "chain_hash", lambda parent, tokens: 42)  # everything collides
+    monkeypatch.setattr(bm_module, "chain_hash", lambda *_: 42)  # everything collides
     got, stats, _ = run(llama_path, True)
     assert got == expected
 
 
 def make_seq(tokens: list[int]) -> Sequence:
-    return Sequence("r", 0, list(tokens), len(tokens), SP(), 0.0)
+    return Sequence("r", 0, list(tokens), len(tokens), SamplingParams(), 0.0)
 
 
 def test_block_manager_refcounts_and_eviction():

@@ -102,7 +102,8 @@ def test_eos_stops_unless_ignored(llama_path, tmp_path):
     assert out.token_ids == full[:first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", None)
     assert out.text == llm.get_tokenizer().decode(full[:first])
-    assert one(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)).outputs[0].token_ids == full
+    ignoring = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    assert one(llm, ignoring).outputs[0].token_ids == full
 
 
 def repeats(tokens: list[int]) -> int:
@@ -111,7 +112,8 @@ def repeats(tokens: list[int]) -> int:
 
 def test_penalties_push_the_expected_way(llm):
     def tokens(**kw):
-        return one(llm, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, **kw)).outputs[0].token_ids
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, **kw)
+        return one(llm, params).outputs[0].token_ids
 
     base = repeats(tokens())
     assert base > 0, "the baseline must repeat for this test to mean anything"

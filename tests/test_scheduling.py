@@ -1,7 +1,7 @@
 """Continuous batching, chunked prefill and preemption never change what a request gets."""
 import pytest
 
-from flagserve import LLM, LLMEngine, EngineArgs, SamplingParams
+from flagserve import LLM, EngineArgs, LLMEngine, SamplingParams
 from flagserve.engine.scheduler import Scheduler
 from tests.conftest import prompt_set
 
@@ -48,7 +48,7 @@ def test_small_token_budget_forces_chunked_prefill(llama_path, prompts, referenc
     def spy(self):
         batch = schedule(self)
         partial_chunks.extend(n for s, n in zip(batch.seqs, batch.num_new_tokens)
-                              if 1 < n and s.num_computed_tokens + n < s.num_tokens)
+                              if n > 1 and s.num_computed_tokens + n < s.num_tokens)
         assert batch.num_tokens <= self.config.max_num_batched_tokens
         return batch
 

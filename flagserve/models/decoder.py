@@ -12,8 +12,7 @@ from flagserve.distributed.parallel_state import ParallelContext
 from flagserve.layers.attention import PagedAttention
 from flagserve.layers.attention_metadata import AttentionMetadata
 from flagserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from flagserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                     RowParallelLinear)
+from flagserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from flagserve.layers.norm import RMSNorm
 from flagserve.layers.rotary import RotaryEmbedding
 from flagserve.models.config import ModelConfig
@@ -29,8 +28,9 @@ class DecoderAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelOps, par: ParallelContext):
         super().__init__()
         d = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                          cfg.attention_bias, par.tp_rank, par.tp_size)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.attention_bias,
+                                          par.tp_rank, par.tp_size)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = d
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, False,

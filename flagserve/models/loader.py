@@ -42,13 +42,13 @@ class CheckpointTensor:
         return self._slice[start:max(start, stop)]
 
 
-def iterate_weights(model_dir: Path, keep: Callable[[str], bool] = lambda name: True
+def iterate_weights(model_dir: Path, keep: Callable[[str], bool] = lambda _: True
                     ) -> Iterator[tuple[str, CheckpointTensor]]:
     """(name, lazy tensor) of every checkpoint tensor `keep` wants; the others are never read.
     A weight loader reads a tensor with narrow(), a row slice, or [:] for all of it."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
                 if keep(name):
                     yield name, CheckpointTensor(f.get_slice(name))
 

@@ -58,7 +58,8 @@ def test_ingress_and_http_server_modes():
     assert resolved("experiment.runner.deploy.ingress=separate") == (None, True)
     assert resolved("experiment.runner.deploy.http_server=serve_proxy") == ("llm", False)
     # Autoscaling needs Serve's request counts, so auto picks the proxy.
-    assert resolved("serve.llm.resources.min_replicas=1", "serve.llm.resources.max_replicas=2") == ("llm", False)
+    autoscaled = ("serve.llm.resources.min_replicas=1", "serve.llm.resources.max_replicas=2")
+    assert resolved(*autoscaled) == ("llm", False)
     assert resolved("+serve.other.engine_args.model=x", "+serve.other.model_name=o") == (None, True)
 
 
@@ -158,7 +159,8 @@ def test_flagscale_list_form_and_plan_across_hosts(capsys, tmp_path, monkeypatch
     """A FlagScale-style serve list (engine: vllm, vLLM flags) plans a TP 8 x PP 2 deployment
     over two hosts, with memory estimated from config.json alone."""
     monkeypatch.setenv("QWEN72_PATH", str(fake_model(tmp_path / "qwen72b")))
-    code, out, err = run(capsys, "serve=72b_two_nodes", f"experiment.runner.hostfile={REPO}/hostfiles/two_nodes.txt",
+    code, out, err = run(capsys, "serve=72b_two_nodes",
+                         f"experiment.runner.hostfile={REPO}/hostfiles/two_nodes.txt",
                          config_dir=REPO / "examples/qwen2_5/conf")
     assert code == 0, err
     assert "replica 0 stage 0: 10.0.0.1 gpu 0,1,2,3,4,5,6,7" in out

@@ -32,7 +32,8 @@ def metrics(deployment) -> dict[str, float]:
                         headers={"Authorization": f"Bearer {API_KEY}"}).text
     out: dict[str, float] = {}
     for name, labels, value in re.findall(r"^(vllm:\w+)(\{[^}]*\})? (\S+)$", text, re.M):
-        key = name + ('{' + m.group(1) + '}' if (m := re.search(r'finished_reason="(\w+)"', labels or "")) else "")
+        reason = re.search(r'finished_reason="(\w+)"', labels or "")
+        key = name + ("{" + reason.group(1) + "}" if reason else "")
         out[key] = out.get(key, 0.0) + float(value)
     return out
 
@@ -228,8 +229,8 @@ def test_dead_engine_process_gives_503_then_the_replica_is_replaced(deployment):
         pytest.skip("engine_core=thread: there is no engine process to kill")
     import signal
 
-    from flagserve.runner.launcher import session_members
     from flagserve.cluster.records import ExpPaths, load_processes
+    from flagserve.runner.launcher import session_members
 
     def cores():
         members = session_members(load_processes(ExpPaths(deployment.exp_dir))[0])
@@ -271,8 +272,8 @@ def test_status_reports_deployments(deployment):
 
 
 def test_stop_leaves_no_process(deployment):
-    from flagserve.runner.launcher import session_members
     from flagserve.cluster.records import ExpPaths, load_processes
+    from flagserve.runner.launcher import session_members
     records = load_processes(ExpPaths(deployment.exp_dir))
     members = session_members(records[0]) if records else []
     assert members  # the server and its Ray processes
