@@ -155,10 +155,8 @@ class LLMModule:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tokenizer: TokenizerResources = field(default_factory=TokenizerResources)
     depends: list[str] = field(default_factory=list)  # user modules that preprocess requests
-    # Where each replica's step loop runs. process: a child process holding the model (vLLM
-    # V1's EngineCore; no GIL shared with the replica's HTTP and Ray Serve work); thread: a
-    # thread of the replica; auto: process, or thread with TP x PP > 1 (the replica drives
-    # the shard workers itself).
+    # Where each replica's step loop runs: process | thread (why: flagserve/engine/core);
+    # auto: process, or thread with TP x PP > 1 (the replica drives the shard workers itself).
     engine_core: EngineCoreMode = "auto"
 
     @property

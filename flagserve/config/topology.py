@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
 
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config, LLMModule
+from flagserve.engine.core.interface import CoreMode
 from flagserve.engine.engine_args import EngineArgs
 
 
@@ -40,7 +40,7 @@ def direct_http(config: Config) -> bool:
     return not config.experiment.runner.hostfile and not ingress_autoscales(config)
 
 
-def engine_core_mode(module: LLMModule) -> Literal["process", "thread"]:
+def engine_core_mode(module: LLMModule) -> CoreMode:
     """Where each replica's step loop runs: with shard workers (TP x PP > 1) the replica
     drives them from a thread of its own, else a child process unless asked otherwise."""
     if module.engine_core != "auto":

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from flagserve.engine.core.interface import CoreMode
 from flagserve.entrypoints.openai.engine_client import EngineChunk, EngineClient, EngineRequest, ModelInfo
 
 
@@ -70,7 +71,7 @@ class LocalEngineSpec:
     module_id: str
     model_name: str
     engine_args: dict[str, Any]
-    engine_core: str  # process | thread: where the step loop runs
+    engine_core: CoreMode
 
     def connect(self, metrics_hub: Any) -> EngineClient:
         from flagserve.serve.engine_deployment import EngineDeployment  # heavy: torch

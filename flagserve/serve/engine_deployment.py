@@ -24,7 +24,7 @@ from typing import Any
 from ray import serve
 
 from flagserve.engine.async_engine import AsyncEngine
-from flagserve.engine.core.interface import make_core
+from flagserve.engine.core.interface import CoreMode, make_core
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.outputs import RequestOutput, merge_deltas
 from flagserve.entrypoints.openai.engine_client import EngineChunk, EngineRequest, ModelInfo
@@ -37,7 +37,7 @@ HEARTBEAT_S = 10.0
 
 class EngineDeployment:
     def __init__(self, module_id: str, model_name: str, engine_args: dict[str, Any],
-                 metrics_hub: Any = None, engine_core: str = "thread"):
+                 metrics_hub: Any = None, engine_core: CoreMode = "thread"):
         self.args = EngineArgs(**engine_args)
         core = make_core(self.args, engine_core)
         self.metrics = EngineMetrics()

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from flagserve.engine.core.loop import Command, EngineDeadError, StepResult
 from flagserve.engine.stats import EngineStats
+
+CoreMode = Literal["process", "thread"]  # serve.<id>.engine_core, once `auto` is resolved
 
 
 class EngineCore(Protocol):
@@ -26,7 +28,7 @@ class EngineCore(Protocol):
     def shutdown(self) -> None: ...
 
 
-def make_core(engine_args: Any, where: str) -> EngineCore:
+def make_core(engine_args: Any, where: CoreMode) -> EngineCore:
     """The step loop in a child process (`process`) or on a thread of this one (`thread`)."""
     if where == "process":
         from flagserve.engine.core.process import EngineProcess
