@@ -18,17 +18,18 @@ import dataclasses
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from flagserve.bench import suite
-from flagserve.cluster.records import ExpPaths, load_processes
-from flagserve.config.hostfile import Host
-from flagserve.config.schema import Config
+from flagserve.cluster.records import ExpPaths
+from flagserve.config.schema import Config, LLMModule
 from flagserve.config.topology import engine_args_for, served_names, uses_gpu
-from flagserve.runner import local
+from flagserve.runner.console import same_command
+from flagserve.runner.deployment import Deployment
 
 SWEEP: list[dict[str, Any]] = []  # one entry per bench run of this process (multirun points)
 
@@ -84,75 +85,108 @@ def config_differences(paths: ExpPaths, config: Config) -> list[str]:
     return out
 
 
-def bench(config: Config, hosts: list[Host] | None = None) -> int:
-    """`hosts`: a multi-host deployment (hostfile) instead of this host."""
+@dataclass
+class Job:
+    """What one bench run sends and how it is labelled, worked out before anything starts."""
+    settings: suite.Settings
+    module: LLMModule
+    model: str  # the served name the requests ask for
+    engine_args: dict[str, Any]
+    tokenizer: Any
+    samples: list
+    offsets: list
+    overrides: list[str]  # this point's command-line overrides
+    multirun: bool
+    title: str = ""
+
+
+def bench(deployment: Deployment) -> int:
+    """HTTP passes against the deployment (started for them unless running), then the
+    in-process baselines with it stopped; results saved and printed. Returns the exit code."""
+    config = deployment.config
+    running = deployment.is_running()
+    if running:
+        diff = config_differences(deployment.paths, config)
+        if diff:
+            print(f"{config.experiment.exp_name} is running with another serving graph:\n  "
+                  + "\n  ".join(diff[:10]) + f"\nstop it first ({same_command('stop')}) or "
+                  "bench it with the config it was started with", file=sys.stderr)
+            return 1
+        print(f"benchmarking the running deployment at {deployment.endpoint} (it stays running)")
+    job = plan_job(config)
+    if not running and (code := deployment.run()) != 0:
+        return code
+    try:
+        runs, more_http = _http_runs(config, deployment.endpoint, job)
+    finally:
+        if not running:
+            deployment.stop()
+    baselines: dict[str, Any] = {}
+    if job.settings.baselines and runs:
+        print(f"baselines in-process: {', '.join(job.settings.baselines)} ...", flush=True)
+        threads = (None if uses_gpu(job.module, deployment.hosts)
+                   else int(job.module.resources.num_cpus or 1))
+        extra_runs, baselines = suite.run_baselines(runs[0], job.engine_args, job.tokenizer,
+                                                    job.settings, job.samples, job.offsets,
+                                                    threads, more_http)
+        runs += extra_runs
+    return _save(deployment, job, runs, baselines, started=not running)
+
+
+def plan_job(config: Config) -> Job:
+    """The workload (tokenized with the model's tokenizer) and the run's title."""
     b = config.experiment.bench
     module_id = b.module or next(iter(config.llms))
     module = config.llms[module_id]
-    paths = ExpPaths(Path(config.experiment.exp_dir))
-    url = local.endpoint(config)
-    if hosts is not None:
-        from flagserve.runner import multihost
-        url = multihost.endpoints(config, hosts[0].address)[1]
-    running = local.is_running(paths) if hosts is None else bool(load_processes(paths))
-    if running:
-        diff = config_differences(paths, config)
-        if diff:
-            print(f"{config.experiment.exp_name} is running with another serving graph:\n  "
-                  + "\n  ".join(diff[:10]) + f"\nstop it first ({local.same_command('stop')}) or "
-                  "bench it with the config it was started with", file=sys.stderr)
-            return 1
-        print(f"benchmarking the running deployment at {url} (it stays running)")
-
     overrides, multirun = _hydra_overrides()
     settings = suite.Settings.from_config(b)
     engine_args = engine_args_for(module).to_dict()
-    tokenizer_path = engine_args.get("tokenizer") or engine_args["model"]
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer = AutoTokenizer.from_pretrained(engine_args.get("tokenizer") or engine_args["model"])
     samples, offsets = suite.workload(settings, tokenizer)
-    model = served_names(module_id, module)[0]
-    title = (f"{config.experiment.exp_name}: {model}, {settings.dataset} x{len(samples)}, "
-             f"rate {'inf' if settings.request_rate == float('inf') else settings.request_rate}"
-             + (f", max concurrency {settings.max_concurrency}" if settings.max_concurrency else "")
-             + (f" [{', '.join(overrides)}]" if overrides else ""))
+    job = Job(settings, module, served_names(module_id, module)[0], engine_args, tokenizer,
+              samples, offsets, overrides, multirun)
+    rate = "inf" if settings.request_rate == float("inf") else settings.request_rate
+    job.title = (f"{config.experiment.exp_name}: {job.model}, {settings.dataset} x{len(samples)}, "
+                 f"rate {rate}"
+                 + (f", max concurrency {settings.max_concurrency}" if settings.max_concurrency else "")
+                 + (f" [{', '.join(overrides)}]" if overrides else ""))
+    return job
 
-    started = False
-    if not running:
-        code = local.run(config) if hosts is None else multihost.run(config, hosts)
-        if code != 0:
-            return code
-        started = True
-    runs, more_http = [], []
-    try:
-        target = suite.Target(url, model, config.api_key, settings.endpoint, settings.ignore_eos)
-        print(f"sending {len(samples)} requests to {target.url} ...", flush=True)
-        runs.append(suite.http_run("HTTP (FlagServe)", target, settings, samples, offsets))
-        more_http = suite.http_passes("HTTP (FlagServe)", target, settings, tokenizer)
-        if b.compare_base_url:
-            other = suite.Target(b.compare_base_url, b.compare_model or model, None,
-                                 settings.endpoint, settings.ignore_eos)
-            print(f"sending the same requests to {other.url} ...", flush=True)
-            runs.append(suite.http_run(f"HTTP ({b.compare_base_url})", other, settings, samples, offsets))
-    finally:
-        if started:
-            local.stop(config) if hosts is None else multihost.stop(config)
 
-    baselines: dict[str, Any] = {}
-    if settings.baselines and runs:
-        print(f"baselines in-process: {', '.join(settings.baselines)} ...", flush=True)
-        threads = None if uses_gpu(module, hosts or []) else int(module.resources.num_cpus or 1)
-        extra_runs, baselines = suite.run_baselines(runs[0], engine_args, tokenizer, settings,
-                                                    samples, offsets, threads, more_http)
-        runs += extra_runs
+def _http_runs(config: Config, url: str, job: Job) -> tuple[list, list]:
+    """(the HTTP run of the workload, and of the comparison server if any; the further HTTP
+    passes the baselines compare with)."""
+    b, settings = config.experiment.bench, job.settings
+    target = suite.Target(url, job.model, config.api_key, settings.endpoint, settings.ignore_eos)
+    print(f"sending {len(job.samples)} requests to {target.url} ...", flush=True)
+    runs = [suite.http_run("HTTP (FlagServe)", target, settings, job.samples, job.offsets)]
+    more_http = suite.http_passes("HTTP (FlagServe)", target, settings, job.tokenizer)
+    if b.compare_base_url:
+        other = suite.Target(b.compare_base_url, b.compare_model or job.model, None,
+                             settings.endpoint, settings.ignore_eos)
+        print(f"sending the same requests to {other.url} ...", flush=True)
+        runs.append(suite.http_run(f"HTTP ({b.compare_base_url})", other, settings, job.samples,
+                                   job.offsets))
+    return runs, more_http
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    label = ",".join(_short(o) for o in overrides if o.partition("=")[0] in _swept_keys()) if multirun else ""
-    name = stamp + (f"-{re.sub(r'[^A-Za-z0-9_.=,-]+', '_', label)[:80]}" if label else "")
-    out_dir = Path(b.result_dir or paths.root / "bench") / name
-    files = suite.save(out_dir, title, settings, runs, baselines, {
-        "experiment": config.experiment.exp_name, "model": model, "endpoint": url,
-        "overrides": overrides, "engine_args": engine_args, "started_deployment": started})
+
+def result_dir(config: Config, job: Job) -> Path:
+    """<result_dir or exp_dir/bench>/<time>[-<swept overrides of this multirun point>]."""
+    label = (",".join(_short(o) for o in job.overrides if o.partition("=")[0] in _swept_keys())
+             if job.multirun else "")
+    name = time.strftime("%Y%m%d-%H%M%S")
+    name += f"-{re.sub(r'[^A-Za-z0-9_.=,-]+', '_', label)[:80]}" if label else ""
+    return Path(config.experiment.bench.result_dir or Path(config.experiment.exp_dir) / "bench") / name
+
+
+def _save(deployment: Deployment, job: Job, runs: list, baselines: dict[str, Any], started: bool) -> int:
+    """Write and print the results; remember them for the multirun's table."""
+    config, settings = deployment.config, job.settings
+    out_dir = result_dir(config, job)
+    files = suite.save(out_dir, job.title, settings, runs, baselines, {
+        "experiment": config.experiment.exp_name, "model": job.model, "endpoint": deployment.endpoint,
+        "overrides": job.overrides, "engine_args": job.engine_args, "started_deployment": started})
     print(suite.report.table(runs[0].metrics, prefix_cache=runs[0].prefix_cache,
                              request_rate=settings.request_rate, max_concurrency=settings.max_concurrency))
     for run in runs[1:]:
@@ -161,8 +195,8 @@ def bench(config: Config, hosts: list[Host] | None = None) -> int:
     for line in suite.baseline_lines(baselines):
         print(line)
     print(f"results: {files['json']}\nfigures: " + ", ".join(str(p) for k, p in files.items() if k != "json"))
-    SWEEP.append({"overrides": overrides, "dir": str(out_dir), "result_dir": str(out_dir.parent),
-                  "metrics": runs[0].metrics, "baselines": baselines, "title": title})
+    SWEEP.append({"overrides": job.overrides, "dir": str(out_dir), "result_dir": str(out_dir.parent),
+                  "metrics": runs[0].metrics, "baselines": baselines, "title": job.title})
     return 0 if runs[0].metrics.completed else 1
 
 
