@@ -1,5 +1,6 @@
 """LLMEngine's contract with its drivers (the offline LLM and the server loop)."""
 import json
+import pickle
 import shutil
 
 import pytest
@@ -62,6 +63,22 @@ def test_bad_prompts_raise_clear_errors(engine, prompt, message):
     with pytest.raises(ValueError, match=message):
         engine.add_request("bad", prompt, SamplingParams())
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("seed", 2**64), ("top_k", 2**63), ("temperature", float("inf")), ("stop_token_ids", [10**6]),
+    ("logprobs", 10**6),
+])
+def test_params_that_skipped_validation_fail_their_request_only(engine, field, value):
+    """The engine process gets params pickled (no __post_init__); a value the step cannot take
+    must fail add_request, not the step every request of the batch shares."""
+    engine.add_request("ok", "We cook rice", SamplingParams(max_tokens=3, ignore_eos=True))
+    params = SamplingParams(max_tokens=3, min_tokens=2)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
+        engine.add_request("bad", "hi", pickle.loads(pickle.dumps(params)))
+    outs = drain(engine)
+    assert [o.request_id for o in outs if o.finished] == ["ok"]
 
 
 def test_duplicate_request_id(engine):

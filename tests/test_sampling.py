@@ -147,10 +147,20 @@ def test_logprobs_zero_returns_only_the_sampled_token(llm):
     ("min_p", 1.5), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("seed", "x"), ("stop", [1]), ("stop_token_ids", [-1]),
     ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1),
+    # Issue 12: values the engine cannot hold (a seed past int64 killed the step loop).
+    ("seed", 2**64), ("seed", -2**63 - 1), ("temperature", float("inf")), ("temperature", 1e308),
+    ("temperature", float("nan")), ("top_k", 2**62), ("stop_token_ids", [2**70]), ("n", 10**6),
+    ("repetition_penalty", float("inf")), ("repetition_penalty", 1e-300), ("min_p", float("nan")),
+    ("max_tokens", 2**31), ("logprobs", 2**40), ("top_p", float("nan")),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
         SamplingParams(**{field: value})
+
+
+def test_extreme_values_in_range_are_accepted():
+    SamplingParams(seed=2**63 - 1, top_k=2**31 - 1, temperature=3e38, n=1024, stop_token_ids=[2**31 - 1])
+    SamplingParams(seed=-2**63, repetition_penalty=1e-37, max_tokens=2**31 - 1)
 
 
 def test_min_tokens_above_max_tokens_is_rejected():

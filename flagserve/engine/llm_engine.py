@@ -91,6 +91,11 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # Checked again here, not only where params are built: a value the step cannot take
+        # (a seed torch cannot hold, a token id past the logits) would fail the whole batch's
+        # step and kill the engine; here it fails this request only.
+        params.validate()
+        params.check_vocab(self.model_config.vocab_size)
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")

@@ -1,6 +1,20 @@
-"""Per-request sampling parameters, named and defaulted as in vLLM."""
+"""Per-request sampling parameters, named and defaulted as in vLLM.
+
+Every field is range-checked here, so the offline API and the server (which builds its
+SamplingParams from the request body) reject the same values. The bounds are what the engine
+can hold: integers that torch's int64 tensors and generators accept, floats that stay finite
+in the sampler's float32. `validate()` runs again in LLMEngine.add_request, because params that
+were mutated or unpickled (the engine process receives them pickled) skip __post_init__.
+"""
 import enum
+import math
 from dataclasses import dataclass, field
+
+INT32_MAX = 2**31 - 1  # counts and token ids: far above any vocabulary or context length
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # torch.Generator.manual_seed takes an int64
+FLOAT32_MAX = 3.4028234663852886e38  # past it the sampler's float32 tensors hold inf
+FLOAT32_TINY = 1.1754943508222875e-38  # below it a float32 divisor is (nearly) zero
+MAX_N = 1024  # every sample is a sequence the engine allocates at once (deploy.limits.max_n is lower)
 
 
 class RequestOutputKind(enum.Enum):
@@ -14,12 +28,14 @@ def _require(ok: bool, name: str, message: str) -> None:
         raise ValueError(f"SamplingParams.{name} {message}")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_int(value: object, low: int = 0, high: int = INT32_MAX) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _is_number(value: object, low: float = -FLOAT32_MAX, high: float = FLOAT32_MAX) -> bool:
+    """A finite int or float in [low, high] (NaN and infinities never are)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and low <= value <= high)
 
 
 @dataclass
@@ -45,30 +61,43 @@ class SamplingParams:
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
-                 f"must be >= 0, got {self.temperature!r}")
-        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field out of range; normalise stop lists."""
+        self._check_sampling()
+        self._check_lengths()
+        self._check_stops()
+
+    def _check_sampling(self) -> None:
+        _require(_is_int(self.n, 1, MAX_N), "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        _require(_is_number(self.temperature, 0), "temperature",
+                 f"must be a number in [0, 3.4e38] (finite in float32), got {self.temperature!r}")
+        _require(_is_number(self.top_p, 0, 1) and self.top_p > 0, "top_p",
                  f"must be in (0, 1], got {self.top_p!r}")
-        _require(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
-                 f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
-        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
-                 f"must be in [0, 1], got {self.min_p!r}")
+        _require(self.top_k == -1 or _is_int(self.top_k), "top_k",
+                 f"must be -1 or 0 (disabled) or an integer in [1, {INT32_MAX}], got {self.top_k!r}")
+        _require(_is_number(self.min_p, 0, 1), "min_p", f"must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _require(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
-        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-                 "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
-        _require(self.seed is None or _is_int(self.seed), "seed",
-                 f"must be an integer or None, got {self.seed!r}")
-        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-                 "max_tokens", f"must be an integer >= 1 or None, got {self.max_tokens!r}")
-        _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
-                 f"must be an integer >= 0, got {self.min_tokens!r}")
+            _require(_is_number(value, -2, 2), name, f"must be in [-2, 2], got {value!r}")
+        _require(_is_number(self.repetition_penalty, FLOAT32_TINY), "repetition_penalty",
+                 f"must be a number in [1.2e-38, 3.4e38] (> 0, finite in float32), "
+                 f"got {self.repetition_penalty!r}")
+        _require(self.seed is None or _is_int(self.seed, SEED_MIN, SEED_MAX), "seed",
+                 f"must be None or an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+
+    def _check_lengths(self) -> None:
+        _require(self.max_tokens is None or _is_int(self.max_tokens, 1), "max_tokens",
+                 f"must be None or an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        _require(_is_int(self.min_tokens), "min_tokens",
+                 f"must be an integer in [0, {INT32_MAX}], got {self.min_tokens!r}")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-                 "logprobs", f"must be an integer >= 0 or None, got {self.logprobs!r}")
+        _require(self.logprobs is None or _is_int(self.logprobs), "logprobs",
+                 f"must be None or an integer in [0, {INT32_MAX}], got {self.logprobs!r}")
+
+    def _check_stops(self) -> None:
         if self.stop is None:
             self.stop_list = []
         elif isinstance(self.stop, str):
@@ -80,10 +109,19 @@ class SamplingParams:
         _require(all(s for s in self.stop_list), "stop", "must not contain empty strings")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        _require(isinstance(self.stop_token_ids, (list, tuple))
-                 and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-                 "stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        _require(isinstance(self.stop_token_ids, (list, tuple)) and all(map(_is_int, self.stop_token_ids)),
+                 "stop_token_ids", f"must be a list of token ids in [0, {INT32_MAX}], "
+                 f"got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """What only the model bounds: token ids the sampler indexes its logits with (a
+        min_tokens ban on stop_token_ids) and the top-N logprobs it takes. Past the vocabulary
+        they fail the step, and with it every request in the batch."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        _require(not bad, "stop_token_ids", f"must be < the vocabulary size {vocab_size}, got {bad[:5]}")
+        _require(self.logprobs is None or self.logprobs <= vocab_size, "logprobs",
+                 f"must be <= the vocabulary size {vocab_size}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
