@@ -29,6 +29,20 @@ PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size")
 
 
 @dataclass
+class ApiLimits:
+    """What one HTTP request may ask of a replica (README, HTTP API). A request past a limit
+    gets an OpenAI-shaped 400 naming the field (413 for the body, 431 for the headers)."""
+    # The body is refused from its Content-Length before it is read, or as soon as a chunked
+    # body passes it. 16 MiB holds a batch of 16 prompts of 128k tokens as text.
+    max_body_bytes: int = 16 * 2**20
+    max_header_bytes: int = 32 * 2**10  # request line and headers together (nginx: 4 x 8 KiB)
+    max_prompts: int = 256  # prompts in one /v1/completions batch
+    max_n: int = 128  # choices per prompt (OpenAI's own limit); each is a sequence in the batch
+    max_tokens: int | None = None  # max_tokens / max_completion_tokens; null: the context window
+    max_stop: int = 64  # entries of `stop`, and of `stop_token_ids`: checked at every step
+
+
+@dataclass
 class DeployConfig:
     host: str = "127.0.0.1"  # the HTTP bind address; 0.0.0.0 exposes the endpoint
     port: int = 8000
@@ -45,6 +59,8 @@ class DeployConfig:
     # Serve's HTTP proxy on the head routes to the replicas (any host, autoscaling); auto:
     # replicas on one host without autoscaling, else serve_proxy.
     http_server: HttpServer = "auto"
+    limits: ApiLimits = field(default_factory=ApiLimits)
+    docs: bool = False  # serve /docs and /openapi.json (behind the API key like every route)
 
 
 @dataclass

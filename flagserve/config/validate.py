@@ -6,12 +6,13 @@ experiment section, so a deleted model directory never prevents stopping a deplo
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from pathlib import Path
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
-from flagserve.config.schema import PARALLEL_ARGS, Config, LLMModule, ResourcesConfig, UserModule
+from flagserve.config.schema import PARALLEL_ARGS, ApiLimits, Config, LLMModule, ResourcesConfig, UserModule
 from flagserve.config.topology import engine_args_for, ingress_autoscales, served_names, uses_gpu
 from flagserve.models.architectures import HF_ARCHITECTURES
 from flagserve.models.config import load_model_config
@@ -43,6 +44,7 @@ def validate_experiment(config: Config) -> None:
     if deploy.ingress_replicas < 1:
         raise ConfigError("experiment.runner.deploy.ingress_replicas",
                           f"must be >= 1, got {deploy.ingress_replicas}", "e.g. 1")
+    _check_limits(deploy.limits)
     runner = exp.runner
     for key, port in (("ssh_port", runner.ssh_port), ("ray_port", runner.ray_port)):
         if not 1 <= port <= 65535:
@@ -58,6 +60,14 @@ def validate_experiment(config: Config) -> None:
                                                           and ssh.known_hosts == "auto_add"):
                 raise ConfigError(f"experiment.runner.ssh.{key}", f"file {file!r} does not exist",
                                   "point it at an existing file, or set it to null for the default")
+
+
+def _check_limits(limits: ApiLimits) -> None:
+    for key, value in dataclasses.asdict(limits).items():
+        if value is not None and value < 1:
+            default = getattr(ApiLimits(), key)
+            raise ConfigError(f"experiment.runner.deploy.limits.{key}", f"must be >= 1, got {value}",
+                              f"raise it (default {default})")
 
 
 def validate_graph(config: Config, hosts: list[Host]) -> None:

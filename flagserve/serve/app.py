@@ -127,4 +127,5 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
                    "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S}
     listen = (config.deploy.host, config.deploy.port) if direct_http(config) else None
     return serve.deployment(serve.ingress()(OpenAIIngress)).options(**options).bind(
-        routes, config.api_key, hub, listen)
+        routes, config.api_key, hub, listen,
+        limits=config.deploy.limits, docs=config.deploy.docs)

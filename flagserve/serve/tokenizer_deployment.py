@@ -11,9 +11,11 @@ class TokenizerDeployment:
     def __init__(self, tokenizer_path: str):
         self.tokenizer = PromptTokenizer(tokenizer_path)
 
-    async def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        return self.tokenizer.encode_prompts(prompts)
+    async def encode_prompts(self, prompts: list[str | list[int]], max_tokens: int | None
+                             ) -> list[list[int]]:
+        return await self.tokenizer.encode_prompts_async(prompts, max_tokens)
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          template_kwargs: dict[str, Any] | None) -> list[int]:
-        return self.tokenizer.encode_chat(messages, add_generation_prompt, template_kwargs)
+                          template_kwargs: dict[str, Any] | None, max_tokens: int | None) -> list[int]:
+        return await self.tokenizer.encode_chat_async(messages, add_generation_prompt,
+                                                      template_kwargs, max_tokens)

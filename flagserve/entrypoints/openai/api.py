@@ -2,6 +2,8 @@
 
 Built per replica, after the ingress is constructed: Ray Serve's proxy calls it, and so does
 the replica's own HTTP server when it listens directly (http_server.py).
+Every answer is OpenAI-shaped, also from the middleware (the API key, the body limit) and
+for routes that do not exist (404) or methods a route does not take (405).
 No `from __future__ import annotations`: FastAPI must see the real Request type.
 """
 import logging
@@ -9,10 +11,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
 
 from flagserve.engine.core.loop import EngineDeadError
+from flagserve.entrypoints.openai.auth import ApiKeyMiddleware
 from flagserve.entrypoints.openai.errors import OpenAIError, engine_dead_message
+from flagserve.entrypoints.openai.size_limits import SizeLimitMiddleware
 
 log = logging.getLogger(__name__)
 ROUTES = (("GET", "/health", "health"), ("GET", "/v1/models", "models"),
@@ -21,24 +26,40 @@ ROUTES = (("GET", "/health", "health"), ("GET", "/v1/models", "models"),
 
 
 def build_api(ingress: Any) -> FastAPI:
-    app = FastAPI(title="FlagServe", docs_url="/docs", redoc_url=None)
-
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, err: OpenAIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:
-        return JSONResponse(OpenAIError(503, engine_dead_message(err)).body(), status_code=503)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, err: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return JSONResponse(OpenAIError(500, f"internal error: {err!r}").body(), status_code=500)
-
+    """`ingress`: its methods named in ROUTES, its api_key, limits (ApiLimits) and docs."""
+    docs = ingress.docs
+    app = FastAPI(title="FlagServe", docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
+    _add_error_handlers(app)
     for method, path, name in ROUTES:
         app.add_api_route(path, _endpoint(getattr(ingress, name)), methods=[method], name=name)
+    limits = ingress.limits
+    app.add_middleware(SizeLimitMiddleware, max_body_bytes=limits.max_body_bytes,
+                       max_header_bytes=limits.max_header_bytes)
+    app.add_middleware(ApiKeyMiddleware, api_key=ingress.api_key)  # added last: runs first
     return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, err: OpenAIError) -> Response:
+        return err.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> Response:
+        message = {404: f"no route {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}
+        return OpenAIError(err.status_code, message.get(err.status_code, str(err.detail))).response(
+            err.headers)  # 405's Allow
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, err: EngineDeadError) -> Response:
+        return OpenAIError(503, engine_dead_message(err)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, err: Exception) -> Response:
+        log.exception("request failed")
+        return OpenAIError(500, f"internal error: {err!r}").response()
 
 
 def _endpoint(handler: Callable[[Request], Awaitable[Response]]) -> Callable:

@@ -2,13 +2,18 @@
 raised elsewhere (another deployment, a dead engine)."""
 from __future__ import annotations
 
+import json
 from typing import Any
+
+from starlette.responses import Response
 
 
 class OpenAIError(Exception):
     """Becomes an HTTP error with OpenAI's body: {"error": {message, type, param, code}}."""
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+             431: "RequestHeaderFieldsTooLargeError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
@@ -18,6 +23,10 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
                           "param": self.param, "code": self.status}}
+
+    def response(self, headers: dict[str, str] | None = None) -> Response:
+        # ASCII JSON: a message quoting the request can never fail to encode (a lone surrogate).
+        return Response(json.dumps(self.body()), self.status, headers, "application/json")
 
 
 def error_message(err: BaseException) -> str:

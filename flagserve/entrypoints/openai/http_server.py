@@ -4,6 +4,11 @@ without Ray Serve's proxy in between.
 Why (the proxy's extra processes and Ray calls per request): README, "The serving graph".
 Every replica on a host binds the same host:port with SO_REUSEPORT and the kernel spreads
 new connections across them, as Ray Serve's own proxies and vLLM's API servers do.
+
+It parses HTTP with h11, whose buffer for a request line and headers not yet complete is
+bounded (deploy.limits.max_header_bytes; past it the connection gets a 400 and is closed;
+headers that arrive whole in one read get a 431 from size_limits.py). httptools, uvicorn's
+faster default, has no such bound: a client could grow one header without end.
 """
 from __future__ import annotations
 
@@ -27,8 +32,8 @@ class _Server(uvicorn.Server):
 
 
 class DirectHTTPServer:
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, max_header_bytes: int):
+        self.host, self.port, self.max_header_bytes = host, port, max_header_bytes
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -45,7 +50,8 @@ class DirectHTTPServer:
     def start(self, app: Any) -> None:
         """Serve `app` on the running event loop (the replica's)."""
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
-                                log_level="warning", timeout_keep_alive=30)
+                                log_level="warning", timeout_keep_alive=30, http="h11",
+                                h11_max_incomplete_event_size=self.max_header_bytes)
         self.server = _Server(config)
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
         self.task.add_done_callback(self._on_exit)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server: request handling behind the routes of api.py.
 
-Per request: authorize, validate, route by `model`, run the model's user modules, tokenize
+Per request (past the API key and the body limit: api.py's middleware): validate, check
+against deploy.limits (checks.py), route by `model`, run the model's user modules, tokenize
 (here, or in the tokenizer deployment when the config asks for one), then one stream from the
 engine through its EngineClient (engine_client.py): in this process when the engine lives
 here (deploy.ingress: engine), else one streaming call to the engine deployment. What the
@@ -14,8 +15,6 @@ replica listens on deploy.host:port itself (http_server.py).
 """
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 import uuid
@@ -27,7 +26,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from flagserve.config.schema import ApiLimits
 from flagserve.entrypoints.openai.api import build_api
+from flagserve.entrypoints.openai.body import check_text, parse_body
+from flagserve.entrypoints.openai.checks import (
+    check_budget,
+    check_chat,
+    check_completion,
+    check_limits,
+    check_token_ids,
+)
 from flagserve.entrypoints.openai.engine_client import (
     EngineChunk,
     EngineClient,
@@ -43,7 +51,6 @@ from flagserve.entrypoints.openai.streams import batches, cancel_on_close, prepe
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 HEALTH_TIMEOUT_S = 10.0
 
 @dataclass
@@ -58,9 +65,12 @@ class ModelRoute:
 
 class OpenAIIngress:
     def __init__(self, routes: list[ModelRoute], api_key: str | None, metrics_hub: Any,
-                 listen: tuple[str, int] | None = None):
+                 listen: tuple[str, int] | None = None,
+                 limits: ApiLimits | None = None, docs: bool = False):
+        self.limits = limits or ApiLimits()
+        self.docs = docs  # /docs and /openapi.json
         # Bound first, so that a taken port fails the replica's start at once, with a clear error.
-        self.http = DirectHTTPServer(*listen) if listen else None
+        self.http = DirectHTTPServer(*listen, self.limits.max_header_bytes) if listen else None
         self.routes = routes
         self.by_name = {name: r for r in routes for name in [*r.names, r.module_id]}
         self.api_key = api_key
@@ -88,13 +98,6 @@ class OpenAIIngress:
 
     # plumbing
 
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise OpenAIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`")
-
     async def _info(self, route: ModelRoute) -> ModelInfo:
         if route.module_id not in self.infos:
             self.infos[route.module_id] = await self.engines[route.module_id].info()
@@ -110,16 +113,6 @@ class OpenAIIngress:
         return route
 
     @staticmethod
-    async def _body(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise OpenAIError(400, f"the request body is not valid JSON: {err}") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "the request body must be a JSON object")
-        return body
-
-    @staticmethod
     def _parse(model: type, body: dict[str, Any]) -> Any:
         try:
             return model.model_validate(body)
@@ -129,8 +122,7 @@ class OpenAIIngress:
             raise OpenAIError(400, f"{where}: {first['msg']}", str(first["loc"][0])) from None
 
     async def _prepare(self, request: Request, model: type) -> tuple[Any, ModelRoute, ModelInfo]:
-        self._authorize(request)
-        body = await self._body(request)
+        body = parse_body(await request.body())
         parsed = self._parse(model, body)
         route = self._route(parsed.model)
         for module_id, handle in route.preprocessors:
@@ -139,45 +131,44 @@ class OpenAIIngress:
             except ValueError as err:
                 raise OpenAIError(400, f"{module_id}: {error_message(err)}") from None
         if route.preprocessors:
+            check_text(body)
             parsed = self._parse(model, body)
         return parsed, route, await self._info(route)
 
-    async def _encode_prompts(self, route: ModelRoute, prompts: list) -> list[list[int]]:
-        if route.tokenizer is None:
-            return self.tokenizers[route.module_id].encode_prompts(prompts)
-        return await route.tokenizer.encode_prompts.remote(prompts)
-
-    async def _encode_chat(self, route: ModelRoute, req: Any) -> list[int]:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    async def _encode_prompts(self, route: ModelRoute, prompts: list, info: ModelInfo
+                              ) -> list[list[int]]:
+        for p in prompts:
+            if isinstance(p, list):
+                check_token_ids(info, p)
+        if all(isinstance(p, list) for p in prompts):
+            return prompts
+        most = info.max_model_len - 1  # prompt tokens that leave room for one more
         try:
             if route.tokenizer is None:
-                return self.tokenizers[route.module_id].encode_chat(
-                    messages, req.add_generation_prompt, req.chat_template_kwargs)
-            return await route.tokenizer.encode_chat.remote(messages, req.add_generation_prompt,
-                                                            req.chat_template_kwargs)
+                return await self.tokenizers[route.module_id].encode_prompts_async(prompts, most)
+            return await route.tokenizer.encode_prompts.remote(prompts, most)
+        except ValueError as err:
+            raise OpenAIError(400, error_message(err), "prompt") from None
+
+    async def _encode_chat(self, route: ModelRoute, req: Any, info: ModelInfo) -> list[int]:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        args = (messages, req.add_generation_prompt, req.chat_template_kwargs, info.max_model_len - 1)
+        try:
+            if route.tokenizer is None:
+                return await self.tokenizers[route.module_id].encode_chat_async(*args)
+            return await route.tokenizer.encode_chat.remote(*args)
         except ValueError as err:
             raise OpenAIError(400, error_message(err), "messages") from None
 
     @staticmethod
-    def _check_budget(info: ModelInfo, prompt_len: int, max_tokens: int | None, what: str) -> int:
-        limit = info.max_model_len
-        if max_tokens is not None and max_tokens < 1:
-            raise OpenAIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-        if prompt_len >= limit or (max_tokens is not None and prompt_len + max_tokens > limit):
-            asked = prompt_len + (max_tokens or 1)
-            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, "
-                              f"you requested {asked} tokens ({prompt_len} in the {what}, "
-                              f"{max_tokens or 1} in the completion). Please reduce the length of "
-                              f"the {what} or completion.", "max_tokens" if max_tokens else what)
-        return max_tokens if max_tokens is not None else limit - prompt_len
-
-    @staticmethod
-    def _sampling(req: Any, max_tokens: int, logprobs: int | None) -> Any:
+    def _sampling(req: Any, max_tokens: int | None, logprobs: int | None, info: ModelInfo) -> Any:
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            params = req.sampling_params(max_tokens, logprobs)
+            params.check_vocab(info.vocab_size)
         except ValueError as err:
             field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
             raise OpenAIError(400, str(err).removeprefix("SamplingParams."), field) from None
+        return params
 
     async def _start(self, route: ModelRoute, requests: list[EngineRequest]
                      ) -> AsyncIterator[list[tuple[int, EngineChunk]]]:
@@ -204,7 +195,7 @@ class OpenAIIngress:
         for engine in self.engines.values():
             await engine.check_health()
 
-    # routes
+    # routes (the API key and the body size are checked before them: api.py's middleware)
 
     async def health(self, _: Request) -> Response:
         try:
@@ -214,8 +205,7 @@ class OpenAIIngress:
             alive = [False]
         return Response(status_code=200 if all(alive) else 503)
 
-    async def models(self, request: Request) -> JSONResponse:
-        self._authorize(request)
+    async def models(self, _: Request) -> JSONResponse:
         data = []
         for route in self.routes:
             info = await self._info(route)
@@ -225,32 +215,23 @@ class OpenAIIngress:
                              "max_model_len": info.max_model_len})
         return JSONResponse({"object": "list", "data": data})
 
-    async def metrics(self, request: Request) -> Response:
-        self._authorize(request)
+    async def metrics(self, _: Request) -> Response:
         text = await self.metrics_hub.render.remote()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def completions(self, request: Request) -> Response:
         req, route, info = await self._prepare(request, CompletionRequest)
-        if req.echo or req.suffix or (req.best_of not in (None, req.n)) or req.logit_bias:
-            name = next(k for k in ("echo", "suffix", "best_of", "logit_bias") if getattr(req, k))
-            raise OpenAIError(400, f"{name} is not supported", name)
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise OpenAIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        check_completion(req)
         prompts = req.prompts()
-        for p in prompts:
-            if isinstance(p, list) and any(not 0 <= t < info.vocab_size for t in p):
-                raise OpenAIError(400, f"prompt token ids must be in [0, {info.vocab_size})", "prompt")
-        if all(isinstance(p, list) for p in prompts):
-            token_ids = prompts
-        else:
-            token_ids = await self._encode_prompts(route, prompts)
+        check_limits(req, self.limits, len(prompts))
+        self._sampling(req, req.max_tokens, req.logprobs, info)  # every value, before tokenizing
+        token_ids = await self._encode_prompts(route, prompts, info)
         rid = f"cmpl-{uuid.uuid4().hex}"
         header = Header(rid, req.model or route.names[0])
         requests = []
         for i, ids in enumerate(token_ids):
-            max_tokens = self._check_budget(info, len(ids), req.max_tokens, "prompt")
-            params = self._sampling(req, max_tokens, req.logprobs)
+            max_tokens = check_budget(info, len(ids), req.max_tokens, "prompt", self.limits.max_tokens)
+            params = self._sampling(req, max_tokens, req.logprobs, info)
             requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.stream, time.time()))
         stream = await self._start(route, requests)
         fmt = CompletionFormat(header, req.n, req.logprobs)
@@ -261,18 +242,13 @@ class OpenAIIngress:
 
     async def chat_completions(self, request: Request) -> Response:
         req, route, info = await self._prepare(request, ChatCompletionRequest)
-        if req.tools or req.logit_bias:
-            name = "tools" if req.tools else "logit_bias"
-            raise OpenAIError(400, f"{name} is not supported", name)
-        if req.top_logprobs is not None:
-            if not req.logprobs:
-                raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-                raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
-        ids = await self._encode_chat(route, req)
-        max_tokens = self._check_budget(info, len(ids), req.requested_max_tokens, "messages")
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling(req, max_tokens, top)
+        top = check_chat(req)
+        check_limits(req, self.limits)
+        self._sampling(req, req.requested_max_tokens, top, info)  # every value, before tokenizing
+        ids = await self._encode_chat(route, req, info)
+        max_tokens = check_budget(info, len(ids), req.requested_max_tokens, "messages",
+                                  self.limits.max_tokens)
+        params = self._sampling(req, max_tokens, top, info)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._start(route, [EngineRequest(rid, ids, params, req.stream, time.time())])
         fmt = ChatFormat(Header(rid, req.model or route.names[0]), req.n, top)

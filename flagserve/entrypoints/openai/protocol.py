@@ -74,6 +74,14 @@ class CompletionRequest(_Request):
             raise ValueError("prompt must not be an empty list")
         return value
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
+
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, token ids, or a list of either."""
         p = self.prompt
@@ -95,6 +103,13 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
+# chat_template_kwargs become the template's variables; these would instead be arguments of
+# apply_chat_template itself: `chat_template` a template of the caller's (code run on the
+# replica), `tokenize` or `conversation` a clash with the server's own arguments.
+TEMPLATE_CALL_ARGS = frozenset({"chat_template", "conversation", "tokenize", "add_generation_prompt",
+                                "tools", "documents", "return_dict", "tokenizer_kwargs"})
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None  # None: up to the context window
@@ -106,6 +121,19 @@ class ChatCompletionRequest(_Request):
     tools: list[Any] | None = None
     logit_bias: dict[str, float] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or ()) & TEMPLATE_CALL_ARGS)
+        if taken:
+            raise ValueError(f"{taken[0]!r} is an argument of the template call, not a template "
+                             "variable; set the request's own field instead where there is one")
+        return value
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"

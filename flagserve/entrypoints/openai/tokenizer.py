@@ -7,9 +7,16 @@ moves it into its own deployment (tokenizer_deployment.py) instead.
 Prompts reach the engine as token ids. Detokenization stays inside the engine, incremental,
 because stop strings must be checked on the text after every step: a separate detokenizer
 would put a Ray Serve hop back into the per-token path.
+
+Long inputs cost: tokenizing takes about 0.5 s per MB of text and shares the event loop
+that writes every SSE stream and answers /health. So a text that cannot fit the context is
+refused from its length alone, before it is tokenized (`max_chars`), and a large input that
+may fit is tokenized on a thread of its own (the tokenizer releases the GIL while it works).
 """
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 
@@ -22,23 +29,71 @@ class PromptTokenizer:
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
+        self.chars_per_token = max_chars_per_token(tokenizer)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # started on first use
 
-    def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        """Completions: strings are encoded with the tokenizer's special tokens (BOS), as vLLM."""
+    def check_length(self, text: str, max_tokens: int | None) -> None:
+        """Refuse, untokenized, a text too long to be `max_tokens` tokens or fewer (None: any)."""
+        if max_tokens is not None and len(text) > max_tokens * self.chars_per_token:
+            raise ValueError(f"the prompt has {len(text)} characters: more than {max_tokens} tokens "
+                             f"(at most {self.chars_per_token} characters each), which is all "
+                             "this model's context leaves for the prompt")
+
+    def encode_prompts(self, prompts: list[str | list[int]], max_tokens: int | None = None
+                       ) -> list[list[int]]:
+        """Completions: strings are encoded with the tokenizer's special tokens (BOS), as vLLM.
+        ValueError for a string that cannot be `max_tokens` tokens or fewer."""
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_length(p, max_tokens)
         return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None) -> list[int]:
-        """Raises ValueError when the model has no chat template or the template rejects input."""
+                    template_kwargs: dict[str, Any] | None, max_tokens: int | None = None) -> list[int]:
+        """Raises ValueError when the model has no chat template, the template rejects input,
+        or the conversation cannot be `max_tokens` tokens or fewer."""
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        from jinja2 import TemplateError
-
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 **(template_kwargs or {}))
-        except TemplateError as err:  # e.g. the template's raise_exception() on bad roles
+        except Exception as err:  # noqa: BLE001 - the template is code run on the caller's input
+            # (its raise_exception() on bad roles, a TypeError on a field of the wrong type)
             raise ValueError(f"the chat template rejected the messages: {err}") from None
+        self.check_length(text, max_tokens)
         # The template writes BOS itself where the model wants it.
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def encode_prompts_async(self, prompts: list[str | list[int]], max_tokens: int | None
+                                   ) -> list[list[int]]:
+        size = sum(len(p) for p in prompts if isinstance(p, str))
+        return await self._run(size, self.encode_prompts, prompts, max_tokens)
+
+    async def encode_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                                template_kwargs: dict[str, Any] | None, max_tokens: int | None
+                                ) -> list[int]:
+        # Content given as parts counts as large: measuring it would cost what it saves.
+        size = sum(len(c) if isinstance(c := m.get("content"), str) else INLINE_CHARS for m in messages)
+        return await self._run(size, self.encode_chat, messages, add_generation_prompt,
+                               template_kwargs, max_tokens)
+
+    async def _run(self, size: int, work: Any, *args: Any) -> Any:
+        if size <= INLINE_CHARS:
+            return work(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, work, *args)
+
+
+# Inputs up to this many characters are tokenized on the event loop: about 2 ms of work, where
+# the hop to the thread and back would cost more than the stall it saves.
+INLINE_CHARS = 4096
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """A bound on the characters of text one token stands for: its longest vocabulary entry
+    (byte-level BPE writes one character per byte; SentencePiece one per character, longer for
+    byte fallback <0x..>), times 4 when a normalizer may compose characters (NFC makes one of
+    up to four). Text longer than max_tokens times this cannot be max_tokens tokens."""
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return longest * (4 if getattr(backend, "normalizer", None) is not None else 1)

@@ -1,0 +1,79 @@
+"""Checks of a parsed request before anything is tokenized or sent to the engine: what this
+server supports, deploy.limits (how much one request may ask for), and the context window.
+
+Each failure is an OpenAI-shaped 400 naming the field. The value ranges of the sampling
+fields are SamplingParams' own (the same for the offline API); the limits on the body and
+headers are the HTTP server's (size_limits.py, http_server.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from flagserve.config.schema import ApiLimits
+from flagserve.entrypoints.openai.engine_client import ModelInfo
+from flagserve.entrypoints.openai.errors import OpenAIError
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+def check_completion(req: Any) -> None:
+    if req.echo or req.suffix or (req.best_of not in (None, req.n)) or req.logit_bias:
+        name = next(k for k in ("echo", "suffix", "best_of", "logit_bias") if getattr(req, k))
+        raise OpenAIError(400, f"{name} is not supported", name)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise OpenAIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+
+
+def check_chat(req: Any) -> int | None:
+    """The number of top logprobs to return per token (None: no logprobs)."""
+    if req.tools or req.logit_bias:
+        name = "tools" if req.tools else "logit_bias"
+        raise OpenAIError(400, f"{name} is not supported", name)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def check_limits(req: Any, limits: ApiLimits, num_prompts: int = 1) -> None:
+    stops = req.stop if isinstance(req.stop, list) else []
+    checks = (  # field, its size, what it counts, the limit's key
+        ("n", req.n, "choices", "max_n"),
+        ("prompt", num_prompts, "prompts", "max_prompts"),
+        ("stop", len(stops), "stop strings", "max_stop"),
+        ("stop_token_ids", len(req.stop_token_ids or ()), "token ids", "max_stop"),
+        (req.max_tokens_field, req.requested_max_tokens or 0, "tokens", "max_tokens"),
+    )
+    for field, size, what, key in checks:
+        limit = getattr(limits, key)
+        if limit is not None and size > limit:
+            raise OpenAIError(400, f"{field}: {size} {what} is more than this server allows "
+                              f"({limit}, experiment.runner.deploy.limits.{key})", field)
+
+
+def check_token_ids(info: ModelInfo, prompt: list[int]) -> None:
+    check_budget(info, len(prompt), None, "prompt")  # first: an over-long list is never scanned
+    if any(not 0 <= t < info.vocab_size for t in prompt):
+        raise OpenAIError(400, f"prompt token ids must be in [0, {info.vocab_size})", "prompt")
+
+
+def check_budget(info: ModelInfo, prompt_len: int, max_tokens: int | None, what: str,
+                 cap: int | None = None) -> int:
+    """The max_tokens to generate: as asked, or what the context window leaves, at most `cap`
+    (deploy.limits.max_tokens)."""
+    limit = info.max_model_len
+    if prompt_len == 0:
+        raise OpenAIError(400, f"the {what} is empty", what)
+    if max_tokens is not None and max_tokens < 1:
+        raise OpenAIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if prompt_len >= limit or (max_tokens is not None and prompt_len + max_tokens > limit):
+        asked = prompt_len + (max_tokens or 1)
+        raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, "
+                          f"you requested {asked} tokens ({prompt_len} in the {what}, "
+                          f"{max_tokens or 1} in the completion). Please reduce the length of "
+                          f"the {what} or completion.", "max_tokens" if max_tokens else what)
+    if max_tokens is not None:
+        return max_tokens
+    return min(limit - prompt_len, cap or limit)
