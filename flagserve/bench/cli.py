@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="the `model` to send (default: the first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default $OPENAI_API_KEY")
     p.add_argument("--endpoint", default="completions", choices=get_args(BenchEndpoint))
-    p.add_argument("--tokenizer", help="local tokenizer directory (default: /v1/models' root)")
+    p.add_argument("--tokenizer", help="local tokenizer directory or .gguf file (default: /v1/models' root)")
     p.add_argument("--dataset", default="random", choices=get_args(BenchDataset))
     p.add_argument("--dataset-path", help="jsonl: one {\"prompt\": ..., \"output_len\": ...} per line")
     p.add_argument("--num-prompts", type=int, default=200)
@@ -86,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     info = {} if args.model and args.tokenizer else served_model(target.root, args.api_key)
     target.model = args.model or info["id"]
     tokenizer_dir = args.tokenizer or info.get("root")
-    if not tokenizer_dir or not Path(tokenizer_dir).is_dir():
-        print(f"need a local tokenizer directory: pass --tokenizer (server said {tokenizer_dir!r})",
-              file=sys.stderr)
+    if not tokenizer_dir or not Path(tokenizer_dir).exists():
+        print("need a local tokenizer directory or .gguf file: pass --tokenizer "
+              f"(server said {tokenizer_dir!r})", file=sys.stderr)
         return 2
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    from flagserve.models.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(tokenizer_dir)
     s = suite.Settings(args.dataset, args.dataset_path, args.num_prompts, args.input_len,
                        args.output_len, args.range_ratio, args.prefix_len, args.request_rate,
                        args.burstiness, args.max_concurrency, args.endpoint, not args.no_ignore_eos,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flagserve.models.config import load_model_config, transformers_location
+
 
 @dataclass
 class Workload:
@@ -65,7 +67,8 @@ def run_hf(model: str, work: Workload, args: argparse.Namespace) -> float:
 
     dtype = getattr(torch, args.dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+    directory, gguf = transformers_location(model)  # a GGUF: transformers dequantizes it too
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **gguf).to(device).eval()
     hf.generation_config.eos_token_id = None  # ignore_eos, like the engine run
     pad = hf.config.pad_token_id or 0
 
@@ -112,7 +115,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model",
-                        help="a local HF model directory (default: a random model of the size below)")
+                        help="a local HF model directory or .gguf file "
+                             "(default: a random model of the size below)")
     parser.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -143,8 +147,7 @@ def main() -> None:
                                         num_key_value_heads=args.kv_heads, head_dim=head_dim,
                                         intermediate_size=args.intermediate_size,
                                         max_position_embeddings=4096))
-        from transformers import AutoConfig
-        vocab = AutoConfig.from_pretrained(model).vocab_size
+        vocab = load_model_config(model).vocab_size
         work = make_workload(args.num_seqs, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
         fs_time, fs_stats = run_flagserve(model, work, args)
         hf_time = None if args.skip_hf else run_hf(model, work, args)

@@ -14,8 +14,8 @@ from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import PARALLEL_ARGS, ApiLimits, Config, LLMModule, ResourcesConfig, UserModule
 from flagserve.config.topology import engine_args_for, ingress_autoscales, served_names, uses_gpu
-from flagserve.models.architectures import HF_ARCHITECTURES
-from flagserve.models.config import load_model_config
+from flagserve.models.architectures import GGUF_ARCHITECTURES, HF_ARCHITECTURES
+from flagserve.models.config import ModelConfig, load_model_config, model_format
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -124,21 +124,9 @@ def _check_llm(module_id: str, module: LLMModule) -> None:
     model = module.engine_args.get("model")
     if not model:
         raise ConfigError(f"{path}.engine_args.model", "is not set",
-                          f"set {path}.engine_args.model=/path/to/hf_model_dir "
+                          f"set {path}.engine_args.model=/path/to/hf_model_dir or /path/to/model.gguf "
                           f"(or {path}.tiny_model=llama for the built-in tiny model)")
-    model_dir = Path(str(model))
-    if not model_dir.is_dir():
-        raise ConfigError(f"{path}.engine_args.model", f"directory {str(model_dir)!r} does not exist",
-                          "point it at a local Hugging Face model directory "
-                          "(config.json + *.safetensors + tokenizer); nothing is downloaded")
-    if not (model_dir / "config.json").is_file():
-        raise ConfigError(f"{path}.engine_args.model", f"{str(model_dir)!r} has no config.json",
-                          "point it at a Hugging Face model directory")
-    try:
-        model_cfg = load_model_config(model_dir)
-    except (ValueError, KeyError) as err:
-        raise ConfigError(f"{path}.engine_args.model", f"cannot serve {str(model_dir)!r}: {err}",
-                          f"serve a checkpoint of one of: {', '.join(HF_ARCHITECTURES)}") from None
+    model_cfg = _model_config(f"{path}.engine_args.model", Path(str(model)))
     max_len = module.engine_args.get("max_model_len")
     if isinstance(max_len, int) and max_len > model_cfg.max_position_embeddings:
         raise ConfigError(f"{path}.engine_args.max_model_len",
@@ -160,6 +148,28 @@ def _check_llm(module_id: str, module: LLMModule) -> None:
         key, message = (match.group(1), match.group(2)) if match else ("", str(err))
         raise ConfigError(f"{path}.engine_args{'.' + key if key else ''}", message,
                           "see `EngineArgs` in flagserve/engine/engine_args.py") from None
+
+
+def _model_config(key: str, model: Path) -> ModelConfig:
+    """The model's config; a missing or unservable checkpoint is a ConfigError naming it."""
+    if model_format(model) == "gguf":
+        try:
+            return load_model_config(model)
+        except ValueError as err:  # missing, truncated, corrupt, unsupported: the reader says which
+            raise ConfigError(key, str(err), "point it at a complete .gguf file of one of: "
+                              f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3)") from None
+    if not model.is_dir():
+        raise ConfigError(key, f"directory {str(model)!r} does not exist",
+                          "point it at a local Hugging Face model directory (config.json + "
+                          "*.safetensors + tokenizer) or a .gguf file; nothing is downloaded")
+    if not (model / "config.json").is_file():
+        raise ConfigError(key, f"{str(model)!r} has no config.json",
+                          "point it at a Hugging Face model directory or a .gguf file")
+    try:
+        return load_model_config(model)
+    except (ValueError, KeyError) as err:
+        raise ConfigError(key, f"cannot serve {str(model)!r}: {err}",
+                          f"serve a checkpoint of one of: {', '.join(HF_ARCHITECTURES)}") from None
 
 
 def _check_user_module(module_id: str, module: UserModule) -> None:

@@ -7,15 +7,15 @@ from typing import TYPE_CHECKING, Literal, get_args
 if TYPE_CHECKING:
     from flagserve.models.config import ModelConfig
 
-Dtype = Literal["auto", "float32", "float16", "bfloat16"]  # auto: the checkpoint's torch_dtype
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]  # auto: models/config.py auto_dtype
 # The kernels (kernels/backend.py): torch reference, our Triton kernels, or auto (Triton on CUDA)
 AttentionBackend = Literal["auto", "torch", "triton"]
 
 
 @dataclass
 class EngineArgs:
-    model: str
-    tokenizer: str | None = None  # defaults to the model directory
+    model: str  # an HF model directory or a .gguf file
+    tokenizer: str | None = None  # a directory or .gguf file; defaults to the model
     dtype: Dtype = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     block_size: int = 16
@@ -39,7 +39,8 @@ class EngineArgs:
             if not ok:
                 raise ValueError(f"EngineArgs.{name} {message}")
 
-        check(isinstance(self.model, str) and bool(self.model), "model", "must be a model directory path")
+        check(isinstance(self.model, str) and bool(self.model), "model",
+              "must be a model directory or .gguf file path")
         for name, mode in (("dtype", Dtype), ("attention_backend", AttentionBackend)):
             value = getattr(self, name)
             check(value in get_args(mode), name, f"must be one of {get_args(mode)}, got {value!r}")

@@ -5,8 +5,6 @@ The offline `LLM` loops over step(); the server drives the same loop from an asy
 import time
 from dataclasses import dataclass
 
-from transformers import AutoTokenizer
-
 from flagserve.engine.block_manager import BlockManager
 from flagserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from flagserve.engine.engine_args import EngineArgs
@@ -20,6 +18,7 @@ from flagserve.engine.stats import EngineStats
 from flagserve.engine.step_input import StepInputBuilder
 from flagserve.layers.sampler import SamplerOutput
 from flagserve.models.config import load_model_config
+from flagserve.models.tokenizer import load_tokenizer
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -48,7 +47,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         self.model_config = cfg = load_model_config(args.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"EngineArgs.max_model_len={self.max_model_len} exceeds the model's "

@@ -18,7 +18,7 @@ from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.step_input import StepInput
 from flagserve.layers.attention_metadata import AttentionMetadata
 from flagserve.layers.sampler import Sampler, SamplerOutput, SamplingBatch
-from flagserve.models.config import ModelConfig
+from flagserve.models.config import ModelConfig, auto_dtype
 from flagserve.models.loader import load_model
 from kernels import get_ops
 
@@ -31,10 +31,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: Dtype, cfg: ModelConfig) -> torch.dtype:
-    if name == "auto":
-        return DTYPES.get(cfg.torch_dtype, torch.float32)
-    return DTYPES[name]
+def resolve_dtype(name: Dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    return DTYPES[auto_dtype(cfg, device.type == "cuda") if name == "auto" else name]
 
 
 @dataclass
@@ -63,7 +61,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, cfg)
+        self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         self.ops = get_ops(args.attention_backend, self.device)
         self.model = load_model(args.model, cfg, self.ops, self.dtype, self.device, par)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads

@@ -14,3 +14,6 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # GGUF's rope_freqs tensor: each frequency divided by its factor, after the rules above
+    # (how llama.cpp applies Llama-3 scaling: convert_hf_to_gguf precomputes the factors).
+    freq_factors: tuple[float, ...] | None = None

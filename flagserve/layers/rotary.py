@@ -1,4 +1,5 @@
-"""Rotary embedding: the frequency table (default, linear and Llama-3 scaling) and its layer."""
+"""Rotary embedding: the frequency table (default, linear and Llama-3 scaling, GGUF frequency
+factors) and its layer."""
 import math
 
 import torch
@@ -9,6 +10,13 @@ from kernels import KernelOps
 
 
 def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    inv_freq = _scaled_inv_frequencies(head_dim, rope)
+    if rope.freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _scaled_inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor

@@ -1,5 +1,5 @@
-"""The model architectures FlagServe serves: the one list that config.json parsing, the
-tiny-model builder and the serve config's `tiny_model` all read.
+"""The model architectures FlagServe serves: the one list that config.json and GGUF
+parsing, the tiny-model builder and the serve config's `tiny_model` all read.
 
 Kept free of torch so that config validation can import it cheaply.
 """
@@ -15,4 +15,11 @@ HF_ARCHITECTURES: dict[str, Arch] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+}
+# By a GGUF file's `general.architecture`. llama.cpp writes Mistral checkpoints as "llama"
+# (same tensors, q/k permuted the same way), so there is no "mistral" here.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }

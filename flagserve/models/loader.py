@@ -1,4 +1,4 @@
-"""Build a model from a local HF directory: config and safetensors weights."""
+"""Build a model from its checkpoint: a local HF directory's safetensors, or a GGUF file."""
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -7,8 +7,9 @@ import torch
 from safetensors import safe_open
 
 from flagserve.distributed.parallel_state import ParallelContext
-from flagserve.models.config import ModelConfig
+from flagserve.models.config import ModelConfig, model_format
 from flagserve.models.decoder import DecoderForCausalLM
+from flagserve.models.gguf import gguf_tensors
 from kernels import KernelOps
 
 
@@ -53,15 +54,26 @@ def iterate_weights(model_dir: Path, keep: Callable[[str], bool] = lambda _: Tru
                     yield name, CheckpointTensor(f.get_slice(name))
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, ops: KernelOps, dtype: torch.dtype,
+def checkpoint_weights(model: str | Path, keep: Callable[[str], bool]
+                       ) -> Iterator[tuple[str, torch.Tensor | CheckpointTensor]]:
+    """(HF name, tensor) of the checkpoint's tensors `keep` wants, whatever the format. GGUF
+    tensors are dequantized whole (quantized blocks cannot be sliced by column); the weight
+    loader then keeps its TP slice."""
+    if model_format(model) == "gguf":
+        return ((name, torch.from_numpy(values)) for name, values in gguf_tensors(model, keep))
+    return iterate_weights(Path(model), keep)
+
+
+def load_model(model: str | Path, cfg: ModelConfig, ops: KernelOps, dtype: torch.dtype,
                device: torch.device, par: ParallelContext = ParallelContext()) -> DecoderForCausalLM:
-    """This shard's part of the model (all of it with TP = PP = 1), its weights only."""
+    """This shard's part of the model (all of it with TP = PP = 1), its weights only.
+    `model`: an HF model directory or a .gguf file."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = DecoderForCausalLM(cfg, ops, par)  # serves every architecture in architectures.py
+            decoder = DecoderForCausalLM(cfg, ops, par)  # serves every architecture in architectures.py
     finally:
         torch.set_default_dtype(default_dtype)
-    model.load_weights(iterate_weights(Path(model_dir), model.owns_weight))
-    return model.eval()
+    decoder.load_weights(checkpoint_weights(model, decoder.owns_weight))
+    return decoder.eval()

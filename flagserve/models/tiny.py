@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # transformers is imported lazily: it costs seconds
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from flagserve.models.architectures import ARCHS, Arch
+from flagserve.models.cache import cache_root
 from flagserve.models.tiny_corpus import CORPUS
 
 _QWEN = ("qwen2", "qwen3")
@@ -310,9 +311,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def default_model_dir(arch: Arch = "llama") -> Path:
-    """Cache location of the default tiny model: $FLAGSERVE_CACHE or ~/.cache/flagserve."""
-    root = os.environ.get("FLAGSERVE_CACHE") or Path.home() / ".cache" / "flagserve"
-    return Path(root) / f"tiny-{arch}-v{RECIPE_VERSION}"
+    """Cache location of the default tiny model: under $FLAGSERVE_CACHE or ~/.cache/flagserve."""
+    return cache_root() / f"tiny-{arch}-v{RECIPE_VERSION}"
 
 
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

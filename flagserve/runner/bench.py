@@ -141,8 +141,8 @@ def plan_job(config: Config) -> Job:
     overrides, multirun = _hydra_overrides()
     settings = suite.Settings.from_config(b)
     engine_args = engine_args_for(module).to_dict()
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(engine_args.get("tokenizer") or engine_args["model"])
+    from flagserve.models.tokenizer import load_tokenizer  # a directory or a .gguf file
+    tokenizer = load_tokenizer(engine_args.get("tokenizer") or engine_args["model"])
     samples, offsets = suite.workload(settings, tokenizer)
     job = Job(settings, module, served_names(module_id, module)[0], engine_args, tokenizer,
               samples, offsets, overrides, multirun)

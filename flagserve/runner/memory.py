@@ -1,6 +1,7 @@
 """Memory per device of one engine shard: weights, and the KV cache capacity in tokens.
 
-Counts parameters from the safetensors headers (exact, reads a few KB per file) and applies
+Counts parameters from the safetensors headers or the GGUF tensor table (exact, reads a few
+KB per file; GGUF weights count as dequantized to the engine's dtype) and applies
 the engine's own KV budget rule (flagserve/engine/kv_budget.py) to the weights it counted.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ from flagserve.config.errors import ConfigError
 from flagserve.config.schema import LLMModule
 from flagserve.config.topology import engine_args_for
 from flagserve.engine.kv_budget import capacity_blocks, kv_budget_bytes
-from flagserve.models.config import ModelConfig, load_model_config
+from flagserve.models.config import ModelConfig, auto_dtype, load_model_config
+from flagserve.models.gguf import gguf_param_count
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ASSUMED_GPU_GIB = 80.0
@@ -36,9 +38,11 @@ class MemoryEstimate:
     budget_source: str  # what the budget was derived from
 
 
-def count_params(model_dir: Path, cfg: ModelConfig) -> int:
+def count_params(model: Path, cfg: ModelConfig) -> int:
+    if cfg.checkpoint_format == "gguf":
+        return gguf_param_count(model)  # as dequantized: the engine holds them in its dtype
     total = 0
-    for file in sorted(model_dir.glob("*.safetensors")):
+    for file in sorted(model.glob("*.safetensors")):
         with open(file, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
@@ -71,7 +75,7 @@ def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"serve.{module_id}.engine_args.model", str(err),
                           "serve a supported architecture (see flagserve/models/architectures.py)") from None
-    dtype = cfg.torch_dtype if args.dtype == "auto" else args.dtype
+    dtype = auto_dtype(cfg, gpu) if args.dtype == "auto" else args.dtype
     elem = DTYPE_BYTES.get(dtype, 4)
     tp, pp = module.tensor_parallel_size, module.pipeline_parallel_size
     params = count_params(Path(args.model), cfg)

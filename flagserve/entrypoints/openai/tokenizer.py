@@ -19,15 +19,15 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from flagserve.models.tokenizer import load_tokenizer
+
 
 class PromptTokenizer:
     def __init__(self, tokenizer: Any):
-        """`tokenizer`: a HF tokenizer's directory, or the tokenizer itself (the benchmark's
-        in-process baseline encodes with its engine's, exactly as the server would)."""
+        """`tokenizer`: a HF tokenizer's directory or a .gguf file, or the tokenizer itself (the
+        benchmark's in-process baseline encodes with its engine's, exactly as the server would)."""
         if isinstance(tokenizer, str):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.chars_per_token = max_chars_per_token(tokenizer)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # started on first use
