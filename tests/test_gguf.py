@@ -20,6 +20,7 @@ from tests.gguf_files import WeightType, write_gguf
 from tests.hf_referee import hf_greedy
 from tests.serve.conftest import run_py
 from tests.serve.test_config import run as plan
+from tests.test_shard_weights import shard, split_qkv
 
 NEW_TOKENS = 32
 PROMPTS = [
@@ -171,3 +172,17 @@ def test_bad_file_is_a_config_error_in_run_py(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "`serve.llm.engine_args.model`" in result.stderr and str(bad) in result.stderr
     assert "truncated or corrupt" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_tensor_parallel_shards_slice_the_dequantized_weights(gguf_model):
+    """TP ranks cut their slice from whole dequantized tensors (blocks are not column-sliceable);
+    un-permuted q/k rows must land in the right heads of each rank."""
+    _, path = gguf_model("llama", "Q8_0")
+    full = shard(path)
+    ranks = [shard(path, tp_rank=r, tp_size=2) for r in range(2)]
+    for i, layer in enumerate(full.layers):
+        for j, whole in enumerate(split_qkv(layer.self_attn)):
+            assert torch.equal(torch.cat([split_qkv(m.layers[i].self_attn)[j] for m in ranks]), whole)
+    last = shard(path, pp_rank=1, pp_size=2)  # stage 1 of 2: layer 1, the norm and the LM head
+    assert torch.equal(last.layers[0].self_attn.qkv_proj.weight, full.layers[1].self_attn.qkv_proj.weight)
+    assert torch.equal(last.lm_head.weight, full.lm_head.weight)
