@@ -53,12 +53,15 @@ def _build_module(module_id: str, entry: dict[str, Any]) -> LLMModule | UserModu
             raise ConfigError(path, "has both engine_args (an LLM) and module/name (user code)",
                               "split it into two modules and link them with `depends`")
         return build(UserModule, entry, path)
-    if "engine_args" not in entry and "tiny_model" not in entry:
+    if not {"engine_args", "builtin_model", "tiny_model"} & set(entry):
         raise ConfigError(path, "is neither an LLM nor a user module",
                           f"give it {path}.engine_args.model=/path/to/hf_model, or "
                           f"{path}.module=file.py + {path}.name=ClassName")
     module = build(LLMModule, entry, path)
-    for key in module.engine_args:
+    hints = typing.get_type_hints(EngineArgs)
+    for key, value in module.engine_args.items():
         if key not in ENGINE_ARG_NAMES:
             raise unknown_key_error(f"{path}.engine_args", key, sorted(ENGINE_ARG_NAMES))
+        if value is not None:  # null: EngineArgs' default (model: the tiny model's, later)
+            module.engine_args[key] = coerce(hints[key], value, f"{path}.engine_args.{key}")
     return module

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flagserve.config.errors import ConfigError
 from flagserve.config.schema import Config, LLMModule
 
 
@@ -30,20 +31,43 @@ def resolve_paths(config: Config, base: Path) -> None:
             module.module = _absolute(module.module, base) if module.module else module.module
 
 
-def fill_tiny_models(config: Config, create: bool) -> list[str]:
-    """Point LLMs with `tiny_model` and no model at the built-in model; create it if asked.
+def fill_builtin_models(config: Config, create: bool) -> list[str]:
+    """Point LLMs with no model at their builtin_model (a packaged real model) or tiny_model
+    (created if missing and `create`: that needs torch, so only run/test/plan ask for it).
 
-    Returns notes for the user. Creating needs torch, so only run/test/plan ask for it.
-    """
+    Returns notes for the user."""
     notes = []
     for module_id, module in config.llms.items():
-        if module.engine_args.get("model") or module.tiny_model is None:
+        if module.engine_args.get("model"):
             continue
-        from flagserve.models.tiny import default_model_dir, ensure_tiny_model
-        path = default_model_dir(module.tiny_model)
-        if create and not path.exists():
-            notes.append(f"serve.{module_id}: creating the built-in tiny {module.tiny_model} "
-                         f"model at {path}")
-            ensure_tiny_model(path, module.tiny_model)
-        module.engine_args["model"] = str(path)
+        if module.builtin_model is not None and module.tiny_model is not None:
+            raise ConfigError(f"serve.{module_id}.tiny_model", "is set beside builtin_model",
+                              f"set one: serve.{module_id}.tiny_model=null or "
+                              f"serve.{module_id}.builtin_model=null")
+        if module.builtin_model is not None:
+            module.engine_args["model"] = str(_packaged(module_id, module.builtin_model))
+        elif module.tiny_model is not None:
+            notes += _fill_tiny(module_id, module, create)
+    return notes
+
+
+def _packaged(module_id: str, name: str) -> Path:
+    from flagserve.models.packaged import packaged_model
+    try:
+        return packaged_model(name)
+    except FileNotFoundError as err:
+        raise ConfigError(f"serve.{module_id}.builtin_model", str(err),
+                          "run `make venv` (it installs the packaged models), or point "
+                          f"serve.{module_id}.engine_args.model at a model") from None
+
+
+def _fill_tiny(module_id: str, module: LLMModule, create: bool) -> list[str]:
+    from flagserve.models.tiny import default_model_dir, ensure_tiny_model
+    path = default_model_dir(module.tiny_model)
+    notes = []
+    if create and not path.exists():
+        notes.append(f"serve.{module_id}: creating the built-in tiny {module.tiny_model} "
+                     f"model at {path}")
+        ensure_tiny_model(path, module.tiny_model)
+    module.engine_args["model"] = str(path)
     return notes

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from flagserve.models.architectures import Arch
+from flagserve.models.packaged import PackagedModel
 
 # The modes of the experiment, as types: config/typed.py rejects any other value by key.
 Action = Literal["run", "stop", "status", "test", "plan", "bench"]
@@ -48,6 +49,9 @@ class DeployConfig:
     port: int = 8000
     api_key: str | None = None  # or $FLAGSERVE_API_KEY; every route but /health needs it
     startup_timeout_s: float = 600.0  # `run` waits this long for /health
+    # `stop` refuses new requests, gives the running ones this long to finish, then ends
+    # what is left (streams: an error event and [DONE]); also Serve's graceful shutdown.
+    drain_timeout_s: float = 30.0
     # Where the OpenAI HTTP server runs. engine: in every replica of the (one) LLM module's
     # engine, no Ray hop between them; separate: an `ingress` deployment of its own, calling
     # the engine deployments; auto: engine when the graph has one LLM module and
@@ -167,7 +171,10 @@ class LLMModule:
     engine: Engine = "flagserve"
     engine_args: dict[str, Any] = field(default_factory=dict)
     model_name: str | None = None  # name clients send as `model`; default: the model dir name
-    tiny_model: Arch | None = None  # when engine_args.model is null: the built-in tiny model arch
+    # When engine_args.model is null: a real model shipped as a package (the default), or the
+    # built-in tiny random-weight model of an architecture (fast tests). At most one of them.
+    builtin_model: PackagedModel | None = None
+    tiny_model: Arch | None = None
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tokenizer: TokenizerResources = field(default_factory=TokenizerResources)
     depends: list[str] = field(default_factory=list)  # user modules that preprocess requests

@@ -49,10 +49,12 @@ def engine_core_mode(module: LLMModule) -> CoreMode:
 
 
 def served_names(module_id: str, module: LLMModule) -> list[str]:
-    """`model` values routed to this module: model_name (default: model dir name)."""
+    """`model` values routed to this module: model_name (default: the model directory's
+    name, or the GGUF file's without .gguf)."""
     if module.model_name:
         return [module.model_name]
-    return [Path(str(module.engine_args.get("model", module_id))).name or module_id]
+    model = Path(str(module.engine_args.get("model", module_id)))
+    return [(model.stem if model.suffix == ".gguf" else model.name) or module_id]
 
 
 def engine_args_for(module: LLMModule) -> EngineArgs:

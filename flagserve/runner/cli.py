@@ -4,19 +4,23 @@ Exit codes: 0 done, 1 the action failed, 2 the config is wrong (one message, no 
 """
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from flagserve.config import ConfigError, parse_config
 from flagserve.config.hostfile import Host, HostfileError, local_host, parse_hostfile
-from flagserve.config.resolve import fill_tiny_models, resolve_paths
+from flagserve.config.resolve import fill_builtin_models, resolve_paths
 from flagserve.config.schema import Config
 from flagserve.config.validate import validate_experiment, validate_graph
 from flagserve.runner.deployment import deployment_for
+from flagserve.runner.locate import recorded_config
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+TRACEBACK_ENV = "FLAGSERVE_TRACEBACK"
 
 
 def execute(cfg: DictConfig | dict) -> int:
@@ -28,6 +32,14 @@ def execute(cfg: DictConfig | dict) -> int:
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return EXIT_FAILED
+    except Exception as err:  # noqa: BLE001 - one line, no traceback (README, Actions)
+        action = cfg.get("action", "run") if hasattr(cfg, "get") else "run"
+        print(f"action={action} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        if os.environ.get(TRACEBACK_ENV):
+            traceback.print_exc()
+        else:
+            print(f"  (set {TRACEBACK_ENV}=1 to see where)", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def load(cfg: DictConfig | dict) -> tuple[Config, list[Host]]:
@@ -36,8 +48,10 @@ def load(cfg: DictConfig | dict) -> tuple[Config, list[Host]]:
     validate_experiment(config)
     # stop and status work from the run's records: a hostfile edited or deleted since is fine
     hosts = inventory(config) if config.action in ("run", "test", "plan", "bench") else []
+    if config.action in ("stop", "status"):
+        config = recorded_config(config)  # the run as `run` started it, whatever this CLI says
     if config.action in ("run", "test", "plan", "bench"):
-        notes += fill_tiny_models(config, create=True)
+        notes += fill_builtin_models(config, create=True)
         validate_graph(config, hosts)
         if config.experiment.runner.hostfile:
             from flagserve.runner.placement import place

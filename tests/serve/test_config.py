@@ -194,10 +194,41 @@ def test_flagscale_port_moves_to_deploy():
 
 
 @pytest.mark.parametrize("args,words", [
-    (["serve.llm.engine_args.max_num_seq=8"], "Could not override"),  # Hydra's own check
+    # a key missing from the YAML stops Hydra; the message is still the project's one
+    (["serve.llm.engine_args.max_num_seq=8"],
+     "config error at `serve.llm.engine_args.max_num_seq`: unknown key\n"
+     "  fix: did you mean `max_num_seqs`?"),
+    (["experiment.runner.deploy.prot=1"], "did you mean `port`?"),
+    (["serve=nope"], "config error at `serve`: Could not find 'serve/nope'\n  fix: use one of: smollm2, tiny"),
     (["serve.llm.engine_args.max_num_seqs=0"], "`serve.llm.engine_args.max_num_seqs`"),
+    (["serve.llm.engine_args.enable_prefix_caching=maybe"], "must be true/false, got str 'maybe'"),
 ])
 def test_cli_exit_code_2_without_traceback(args, words):
     result = run_py(*args, "action=plan", timeout=120)
     assert result.returncode == 2
     assert words in result.stderr and "Traceback" not in result.stderr
+    assert "HYDRA_FULL_ERROR" not in result.stderr and "not in struct" not in result.stderr
+
+
+def test_documented_engine_args_need_no_plus(capsys):
+    code, out, err = run(capsys, "serve.llm.engine_args.block_size=32", "serve.llm.engine_args.seed=3",
+                         "serve.llm.engine_args.num_kv_blocks=64",
+                         "serve.llm.engine_args.attention_backend=torch",
+                         "serve.llm.engine_args.max_num_batched_tokens=512")
+    assert code == 0, err
+
+
+def test_schema_keys_missing_from_a_file_name_the_plus_form():
+    from hydra.errors import ConfigCompositionException
+
+    from flagserve.config.overrides import known_keys, override_error
+    assert "drain_timeout_s" in known_keys(["experiment", "runner", "deploy"])
+    assert {"engine_args", "module", "init_args"} <= set(known_keys(["serve", "x"]))
+    assert known_keys(["experiment", "envs"]) is None  # free-form: no did-you-mean
+    cause = KeyError("Key 'seed' is not in struct")
+    cause.full_key = "serve.llm.engine_args.seed"
+    err = ConfigCompositionException("Could not override 'serve.llm.engine_args.seed'.")
+    err.__cause__ = cause
+    assert str(override_error(err)) == (
+        "config error at `serve.llm.engine_args.seed`: is not listed in this config file\n"
+        "  fix: add it with +serve.llm.engine_args.seed=<value>")
