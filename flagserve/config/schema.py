@@ -41,6 +41,9 @@ class ApiLimits:
     max_n: int = 128  # choices per prompt (OpenAI's own limit); each is a sequence in the batch
     max_tokens: int | None = None  # max_tokens / max_completion_tokens; null: the context window
     max_stop: int = 64  # entries of `stop`, and of `stop_token_ids`: checked at every step
+    # messages of one chat request; each is validated and rendered on the replica (the 520k
+    # empty messages 16 MiB holds take 3 s)
+    max_messages: int = 4096
 
 
 @dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -26,13 +25,14 @@ from flagserve.entrypoints.openai.ingress import ModelRoute, OpenAIIngress
 from flagserve.entrypoints.openai.tokenizer import INLINE_CHARS, PromptTokenizer
 from flagserve.serve.engine_clients import LocalEngineSpec
 from tests.serve.conftest import free_port
+from tests.serve.raw_http import exchange, request_head
 
 KEY = "edge-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
 LIMITS = ApiLimits(max_body_bytes=2**20, max_header_bytes=8192, max_prompts=8, max_n=4,
-                   max_tokens=16, max_stop=4)
+                   max_tokens=16, max_stop=4, max_messages=8)
 
 
 @dataclass
@@ -137,6 +137,7 @@ BAD = [  # route, body, the param named
     ("/v1/completions", {"prompt": "hi", "n": 10**6}, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 5}, "n"),  # LIMITS.max_n
     ("/v1/completions", {"prompt": ["a"] * 9}, "prompt"),  # LIMITS.max_prompts
+    ("/v1/completions", {"prompt": ["a"] * 200_000}, "prompt"),  # refused before validating each
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1, 2, 3, 4, 5]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 17}, "max_tokens"),  # LIMITS.max_tokens
@@ -164,6 +165,7 @@ BAD = [  # route, body, the param named
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 2**64}, "seed"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 100_000}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"a": 1}}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 9}, "messages"),
 ]
 
 
@@ -192,44 +194,13 @@ def test_values_at_the_limits_are_served(server):
 
 # Body and header size
 
-def raw_exchange(server: Server, head: bytes, chunks=(), pause: float = 0.0) -> tuple[bytes, int]:
-    """Send `head`, then `chunks` until the server answers; its answer and the bytes sent."""
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(head)
-        sent = 0
-        for chunk in chunks:
-            try:
-                sock.sendall(chunk)
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            sent += len(chunk)
-            time.sleep(pause)
-            sock.setblocking(False)
-            try:
-                if sock.recv(1, socket.MSG_PEEK):
-                    break  # it answered
-            except BlockingIOError:
-                pass
-            finally:
-                sock.setblocking(True)
-        answer = b""
-        try:
-            while chunk := sock.recv(65536):
-                answer += chunk
-        except ConnectionResetError:
-            pass
-        return answer, sent
-
-
-def head(length: str, extra: str = "") -> bytes:
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-            f"Content-Type: application/json\r\n{length}{extra}Connection: close\r\n\r\n").encode()
+def head(*lines: str) -> bytes:
+    return request_head("/v1/completions", KEY, *lines)
 
 
 def test_a_declared_huge_body_is_refused_before_it_is_read(server):
     start = time.perf_counter()
-    answer, _ = raw_exchange(server, head(f"Content-Length: {50 * 2**20}\r\n"))
+    answer, _ = exchange(server.url, head(f"Content-Length: {50 * 2**20}"))
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert time.perf_counter() - start < 1.0
     body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
@@ -240,7 +211,7 @@ def test_a_chunked_huge_body_is_cut_at_the_limit(server):
     rss = psutil.Process().memory_info().rss
     chunk = b"10000\r\n" + b" " * 0x10000 + b"\r\n"  # 64 KiB of JSON whitespace per chunk
     start = time.perf_counter()
-    answer, sent = raw_exchange(server, head("Transfer-Encoding: chunked\r\n"), [chunk] * 800)
+    answer, sent = exchange(server.url, head("Transfer-Encoding: chunked"), [chunk] * 800)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert sent < 4 * LIMITS.max_body_bytes  # it stopped reading near the limit, not at 50 MiB
     assert time.perf_counter() - start < 5.0
@@ -249,11 +220,11 @@ def test_a_chunked_huge_body_is_cut_at_the_limit(server):
 
 
 def test_oversized_headers_are_refused(server):
-    answer, _ = raw_exchange(server, head("Content-Length: 2\r\n", "X-Big: " + "a" * 20_000 + "\r\n"))
+    answer, _ = exchange(server.url, head("Content-Length: 2", "X-Big: " + "a" * 20_000))
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]  # whole in one read: the app measures
     assert b"max_header_bytes" in answer
     # One header growing without end: the HTTP server stops buffering it near the limit.
-    answer, sent = raw_exchange(server, head("", "X-Big: "), [b"a" * 4096] * 2048, pause=0.001)
+    answer, sent = exchange(server.url, head()[:-4] + b"\r\nX-Big: ", [b"a" * 4096] * 2048, pause=0.001)
     assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
     assert sent < 2**20
     assert server.alive()

@@ -37,6 +37,21 @@ def check_chat(req: Any) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+def check_list_lengths(body: dict[str, Any], limits: ApiLimits, max_model_len: int) -> None:
+    """On the raw body, before pydantic validates every element of a list (on the event loop:
+    1.4 s for the 520k chat messages a 16 MiB body holds): a prompt list longer than a batch
+    and than a context window, more messages than deploy.limits.max_messages."""
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if isinstance(prompt, list) and len(prompt) > max(limits.max_prompts, max_model_len):
+        raise OpenAIError(400, f"prompt: a list of {len(prompt)} is more prompts than this server "
+                          f"allows ({limits.max_prompts}, experiment.runner.deploy.limits.max_prompts) "
+                          f"and more token ids than the context window ({max_model_len})", "prompt")
+    if isinstance(messages, list) and len(messages) > limits.max_messages:
+        raise OpenAIError(400, f"messages: {len(messages)} messages is more than this server allows "
+                          f"({limits.max_messages}, experiment.runner.deploy.limits.max_messages)",
+                          "messages")
+
+
 def check_limits(req: Any, limits: ApiLimits, num_prompts: int = 1) -> None:
     stops = req.stop if isinstance(req.stop, list) else []
     checks = (  # field, its size, what it counts, the limit's key

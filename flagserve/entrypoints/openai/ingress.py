@@ -34,6 +34,7 @@ from flagserve.entrypoints.openai.checks import (
     check_chat,
     check_completion,
     check_limits,
+    check_list_lengths,
     check_token_ids,
 )
 from flagserve.entrypoints.openai.engine_client import (
@@ -123,6 +124,8 @@ class OpenAIIngress:
 
     async def _prepare(self, request: Request, model: type) -> tuple[Any, ModelRoute, ModelInfo]:
         body = parse_body(await request.body())
+        longest = max([(await self._info(r)).max_model_len for r in self.routes])
+        check_list_lengths(body, self.limits, longest)
         parsed = self._parse(model, body)
         route = self._route(parsed.model)
         for module_id, handle in route.preprocessors:

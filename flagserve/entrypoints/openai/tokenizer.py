@@ -73,8 +73,10 @@ class PromptTokenizer:
     async def encode_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                                 template_kwargs: dict[str, Any] | None, max_tokens: int | None
                                 ) -> list[int]:
-        # Content given as parts counts as large: measuring it would cost what it saves.
-        size = sum(len(c) if isinstance(c := m.get("content"), str) else INLINE_CHARS for m in messages)
+        # Content given as parts counts as large: measuring it would cost what it saves. Each
+        # message costs the template some work of its own (its role's markup, a loop turn).
+        size = sum(max(len(c), 64) if isinstance(c := m.get("content"), str) else INLINE_CHARS
+                   for m in messages)
         return await self._run(size, self.encode_chat, messages, add_generation_prompt,
                                template_kwargs, max_tokens)
 
