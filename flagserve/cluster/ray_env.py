@@ -8,6 +8,8 @@ what they save: docs/performance.md.
 """
 from __future__ import annotations
 
+import hashlib
+
 SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
@@ -16,6 +18,14 @@ SERVE_ENV: dict[str, str] = {
 }
 
 OBJECT_STORE_BYTES = 256 * 2**20  # Serve moves small messages; don't reserve GBs of /dev/shm
+
+# A cluster of this host alone talks to nobody else, so its node address is loopback, and
+# Ray then binds every listener of its own to loopback: the GCS, raylet and worker gRPC
+# servers, the dashboard agent, the metrics exports. ray.init turns a 127.0.0.1 given as
+# _node_ip_address into the host's address; this switch (Ray's, for single-machine clusters
+# on macOS and Windows) is what keeps it loopback. Read when Ray is imported.
+LOOPBACK_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+LOCAL_HOST = "localhost"  # the host part of a single-host run's ray_temp_dir
 
 
 def token_auth_env(token_path: str) -> dict[str, str]:
@@ -29,3 +39,11 @@ def env_value(value: object) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
     return str(value)
+
+
+def ray_temp_dir(exp_dir: str, address: str) -> str:
+    """Ray's temp dir of one experiment on one host (its session, sockets and logs): short
+    (Ray's unix socket paths must fit 107 bytes) and distinct per experiment and host, also
+    when hosts share a filesystem; `stop` removes it, and nothing of other runs."""
+    digest = hashlib.sha1(f"{exp_dir}|{address}".encode()).hexdigest()[:12]
+    return f"/tmp/flagserve-ray-{digest}"

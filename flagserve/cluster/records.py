@@ -1,6 +1,7 @@
 """What `run` started, written under exp_dir/run/ so that `stop` and `status` find it.
 
-    exp_dir/config.yaml          the resolved config the server was started with
+    exp_dir/config.yaml          the resolved config the server was started with (mode 0600:
+                                 it holds deploy.api_key; `status` and `stop` read it back)
     exp_dir/logs/<name>.log      one log per process (Ray's own logs: exp_dir/logs/ray ->)
     exp_dir/run/processes.json   ProcessRecord per started process (pid, session, start time)
     exp_dir/run/ray.json         the Ray cluster the server started: GCS address, namespace
@@ -81,8 +82,20 @@ class ExpPaths:
         return self.logs / f"{name}.log"
 
     def make(self) -> None:
-        for d in (self.logs, self.run):
-            d.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.run.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def has_records(self) -> bool:
+        return self.processes.exists()
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write a file only its owner can read (it holds a secret), also when it exists."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(data)
 
 
 def _write_json(path: Path, data: object) -> None:

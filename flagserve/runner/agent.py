@@ -28,10 +28,9 @@ from flagserve.config.errors import ConfigError
 from flagserve.runner import http
 from flagserve.runner.console import tail
 from flagserve.runner.environment import _env_after
-from flagserve.runner.launcher import is_alive, spawn, terminate
+from flagserve.runner.launcher import is_alive, server_grace_s, spawn, terminate
+from flagserve.runner.ray_logs import remove_ray_temp_dir
 
-LOG_SUFFIXES = (".log", ".out", ".err", ".txt")
-MAX_LOG_BYTES = 64 * 2**20  # per file copied from Ray's session logs
 LOG_LINES = 30  # of a process's log, in the error when it fails to start
 
 
@@ -57,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", type=Path)
     p.add_argument("--env", action="append", default=[])
     p.add_argument("--after-stop")
+    p.add_argument("--server-grace", type=float, default=server_grace_s(0.0))
     p = verbs.add_parser("status")
     p.add_argument("--records", required=True, type=json.loads)
     p.add_argument("--ray", type=json.loads)
@@ -131,14 +131,12 @@ def _stop(args) -> dict:
     stopped, survivors = [], []
     for record in reversed(records):  # the server before its Ray node
         was_alive = is_alive(record)
-        left = terminate(record, grace_s=30.0 if record.name == "server" else 10.0)
+        left = terminate(record, grace_s=args.server_grace if record.name == "server" else 10.0)
         survivors += [f"{record.name}: {s}" for s in left]
         if not left:
             stopped.append({"name": record.name, "pid": record.pid, "was_alive": was_alive})
-    if args.ray_temp_dir is not None and args.ray_temp_dir.is_dir() and not survivors:
-        if args.logs is not None:
-            _keep_ray_logs(args.ray_temp_dir, args.logs / "ray")
-        shutil.rmtree(args.ray_temp_dir, ignore_errors=True)
+    if args.ray_temp_dir is not None and not survivors:
+        remove_ray_temp_dir(args.ray_temp_dir, args.logs / "ray" if args.logs else None)
     after_stop = None
     if args.after_stop and not survivors:
         rc = subprocess.run(["bash", "-c", args.after_stop], env=_with(args.env),
@@ -155,19 +153,6 @@ def _with(items: list[str]) -> dict[str, str]:
         key, _, value = item.partition("=")
         env[key] = value
     return env
-
-
-def _keep_ray_logs(temp_dir: Path, dest: Path) -> None:
-    """Copy the session logs of Ray's temp dir (text logs only) before it is removed."""
-    for session in sorted(temp_dir.glob("session_2*")):
-        for file in (session / "logs").rglob("*"):
-            if file.is_file() and file.suffix in LOG_SUFFIXES and not file.is_symlink():
-                target = dest / session.name / file.relative_to(session / "logs")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with file.open("rb") as src, target.open("wb") as out:
-                    shutil.copyfileobj(src, out, length=2**20)
-                    if file.stat().st_size > MAX_LOG_BYTES:
-                        out.truncate(MAX_LOG_BYTES)
 
 
 def _status(args) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from flagserve.cluster.records import ExpPaths
+from flagserve.cluster.records import ExpPaths, write_private
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 
@@ -28,9 +28,10 @@ class Deployment(ABC):
         self.paths = ExpPaths(Path(config.experiment.exp_dir))
 
     def save_config(self) -> None:
-        """The resolved config the serving process starts from: exp_dir/config.yaml."""
-        self.paths.config.write_text(yaml.safe_dump(dataclasses.asdict(self.config),
-                                                    sort_keys=False))
+        """The resolved config the serving process starts from: exp_dir/config.yaml, which
+        holds the API key: its owner alone reads it."""
+        write_private(self.paths.config, yaml.safe_dump(dataclasses.asdict(self.config),
+                                                        sort_keys=False).encode())
 
     @property
     @abstractmethod
@@ -46,8 +47,9 @@ class Deployment(ABC):
         """Records of a deployment that `stop` has not yet ended."""
 
     @abstractmethod
-    def run(self) -> int:
-        """Start it, wait until /health answers, print how to use it. Returns the exit code."""
+    def run(self, hints: bool = True) -> int:
+        """Start it, wait until /health answers, print its endpoint and (`hints`) how to use
+        and stop it. Returns the exit code."""
 
     @abstractmethod
     def stop(self) -> int:

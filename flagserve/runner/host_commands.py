@@ -13,18 +13,24 @@ Per host, under the experiment dir (the same absolute path on every host):
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from flagserve.cluster.ray_env import OBJECT_STORE_BYTES, SERVE_ENV, env_value, token_auth_env
+from flagserve.cluster.ray_env import (
+    OBJECT_STORE_BYTES,
+    SERVE_ENV,
+    env_value,
+    ray_temp_dir,
+    token_auth_env,
+)
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.distributed.placement import host_resource  # `host:<address>`, what shards pin to
 from flagserve.runner.environment import REPO_ROOT
+from flagserve.runner.launcher import server_grace_s
 
 HOST_RESOURCE_UNITS = 1000  # `host:<address>` units per node: pin with a fraction of it
 
@@ -55,10 +61,7 @@ class HostPaths:
 
     @property
     def ray_temp_dir(self) -> str:
-        """Ray's --temp-dir: short (Ray's unix socket paths must fit 107 bytes) and distinct
-        per experiment and host, also when hosts share a filesystem."""
-        digest = hashlib.sha1(f"{self.exp_dir}|{self.address}".encode()).hexdigest()[:12]
-        return f"/tmp/flagserve-ray-{digest}"
+        return ray_temp_dir(self.exp_dir, self.address)
 
 
 def python_of(config: Config) -> str:
@@ -140,7 +143,8 @@ def stop_host(config: Config, address: str, records: list[dict], last: bool = Tr
     """Stop this host's recorded processes (last started first), keep Ray's logs, clean up;
     `last`: nothing else of this run is left on the host, so run cmds.after_stop there."""
     paths = HostPaths(config.experiment.exp_dir, address)
-    args = [f"--records={json.dumps(records)}"]
+    args = [f"--records={json.dumps(records)}",
+            f"--server-grace={server_grace_s(config.deploy.drain_timeout_s):g}"]
     if last:
         args += [f"--ray-temp-dir={paths.ray_temp_dir}", f"--logs={paths.logs}"]
     if last and config.experiment.cmds.after_stop:

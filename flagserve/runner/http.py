@@ -37,12 +37,16 @@ def healthy(endpoint: str, timeout: float = 5.0) -> bool:
         return False
 
 
-def wait_healthy(endpoint: str, timeout: float, alive: Any = lambda: True) -> bool:
-    """Poll /health until it answers 200, `alive()` turns false, or `timeout` passes."""
+def wait_healthy(endpoint: str, timeout: float, alive: Any = lambda: True,
+                 tick: Any = lambda: None) -> bool:
+    """Poll /health until it answers 200, `alive()` turns false, or `timeout` passes;
+    `tick()` after every poll (progress)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if healthy(endpoint):
+            tick()
             return True
+        tick()
         if not alive():
             return False
         time.sleep(0.5)

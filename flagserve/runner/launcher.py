@@ -17,14 +17,25 @@ import psutil
 
 from flagserve.cluster.records import ProcessRecord
 
+# How long `stop` waits for the serving process after SIGTERM, beyond the drain timeout: the
+# replicas' engines stop, then Serve and Ray shut down.
+SERVER_STOP_MARGIN_S = 30.0
+
+
+def server_grace_s(drain_timeout_s: float) -> float:
+    return drain_timeout_s + SERVER_STOP_MARGIN_S
+
 
 def spawn(name: str, argv: list[str], env: dict[str, str], log: Path | None,
-          cwd: str | None = None) -> tuple[subprocess.Popen, ProcessRecord]:
-    """Start `argv` in a new session; output goes to `log` (None: inherit the terminal)."""
+          cwd: str | None = None, pass_fds: tuple[int, ...] = ()
+          ) -> tuple[subprocess.Popen, ProcessRecord]:
+    """Start `argv` in a new session; output goes to `log` (None: inherit the terminal);
+    `pass_fds` stay open in the child."""
     out = open(log, "ab") if log is not None else None  # noqa: SIM115 - owned by the child
     try:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT if out else None, start_new_session=True)
+                                stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                                pass_fds=pass_fds)
     finally:
         if out is not None:
             out.close()

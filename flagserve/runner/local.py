@@ -1,23 +1,31 @@
-"""The Deployment on this host: one serving process that owns its Ray cluster."""
+"""The Deployment on this host: one serving process that owns its Ray cluster and its port."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
+from flagserve.cluster.port_owner import OwnerRecord, PortTakenError, take_port
+from flagserve.cluster.ray_env import LOCAL_HOST, ray_temp_dir
 from flagserve.cluster.records import ProcessRecord, clear, load_processes, load_ray, save_processes
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.runner import http
-from flagserve.runner.console import print_ready, tail
+from flagserve.runner.console import Progress, print_ready, same_command, tail
 from flagserve.runner.deployment import Deployment
 from flagserve.runner.environment import run_hook, server_env
-from flagserve.runner.launcher import is_alive, spawn, terminate
+from flagserve.runner.launcher import is_alive, server_grace_s, spawn, terminate
+from flagserve.runner.locate import running_elsewhere
+from flagserve.runner.ray_logs import remove_ray_temp_dir
 from flagserve.runner.ray_status import serve_status
 
 LOG_LINES = 40  # of the server's log, shown when it does not become healthy
@@ -34,37 +42,74 @@ class LocalDeployment(Deployment):
     def is_running(self) -> bool:
         return any(is_alive(r) for r in load_processes(self.paths))
 
-    def run(self) -> int:
+    def run(self, hints: bool = True) -> int:
         config, paths = self.config, self.paths
         if self.is_running():
-            print(f"{config.experiment.exp_name} is already running (records in {paths.run}); "
-                  f"stop it first with action=stop", file=sys.stderr)
+            return self._already_running(hints)
+        owner = OwnerRecord(config.experiment.exp_name, config.experiment.exp_dir, self.endpoint,
+                            config.deploy.port)
+        try:
+            lock = take_port(owner)  # before anything starts: one experiment per port
+        except PortTakenError as err:
+            print(f"{config.experiment.exp_name} cannot start: {err}; stop it first, or pick "
+                  "another port (experiment.runner.deploy.port)", file=sys.stderr)
             return 1
-        _check_port_free(config)
-        paths.make()
-        clear(paths)
-        self.save_config()
-        env = server_env(config, paths.ray_token)
-        argv = [sys.executable, "-m", "flagserve.serve", "--config", str(paths.config)]
-        log = None if config.foreground else paths.log("server")
-        proc, record = spawn("server", argv, env, log, cwd=os.getcwd())
-        save_processes(paths, [record])
+        try:
+            _check_port_free(config)
+            created = not paths.root.exists()
+            paths.make()
+            clear(paths)
+            self.save_config()
+            proc, record, log = self._spawn(lock)
+        finally:
+            os.close(lock)  # the serving process holds the lock now (or nobody does)
         if config.foreground:
             return self._attach(proc, record)
         print(f"starting {config.experiment.exp_name} (pid {proc.pid}, log {log}) ...", flush=True)
-        return self._wait_ready(proc, record, log)
+        return self._wait_ready(proc, record, log, created, hints)
 
-    def _wait_ready(self, proc: subprocess.Popen, record: ProcessRecord, log: Path) -> int:
+    def _spawn(self, lock: int) -> tuple[subprocess.Popen, ProcessRecord, Path | None]:
+        config, paths = self.config, self.paths
+        env = server_env(config, paths.ray_token)
+        argv = [sys.executable, "-m", "flagserve.serve", "--config", str(paths.config),
+                "--port-lock-fd", str(lock)]
+        log = None if config.foreground else paths.log("server")
+        self.progress = Progress(log)
+        proc, record = spawn("server", argv, env, log, cwd=os.getcwd(), pass_fds=(lock,))
+        save_processes(paths, [record])
+        return proc, record, log
+
+    def _already_running(self, hints: bool) -> int:
+        """`run` again: fine when it runs this very config (make serve twice), else an error."""
+        name = self.config.experiment.exp_name
+        try:
+            saved = yaml.safe_load(self.paths.config.read_text())
+        except (OSError, yaml.YAMLError):
+            saved = None
+        ours = {k: v for k, v in dataclasses.asdict(self.config).items()
+                if k not in ("action", "foreground")}
+        if saved is None or {k: v for k, v in saved.items() if k in ours} != ours:
+            print(f"{name} is already running with another config (records in {self.paths.run}); "
+                  f"stop it first: {same_command('stop')}", file=sys.stderr)
+            return 1
+        print(f"{name} is already running (the same config)", flush=True)
+        print_ready(self.config, self.endpoint, hints=hints)
+        return 0
+
+    def _wait_ready(self, proc: subprocess.Popen, record: ProcessRecord, log: Path,
+                    created: bool, hints: bool) -> int:
         url = self.endpoint
         if not http.wait_healthy(url, self.config.deploy.startup_timeout_s,
-                                 lambda: proc.poll() is None):
+                                 lambda: proc.poll() is None, self.progress.show):
             print(f"{self.config.experiment.exp_name} did not become healthy at {url}/health",
                   file=sys.stderr)
             print(tail(log, LOG_LINES), file=sys.stderr)
-            terminate(record)
-            clear(self.paths)
+            terminate(record, grace_s=10.0)
+            self._forget(keep_logs=not created)
+            if created:  # a failed run leaves nothing behind
+                shutil.rmtree(self.paths.root, ignore_errors=True)
             return 1
-        print_ready(self.config, url)
+        print_ready(self.config, url, hints=hints)
         return 0
 
     def _attach(self, proc: subprocess.Popen, record: ProcessRecord) -> int:
@@ -79,22 +124,29 @@ class LocalDeployment(Deployment):
             print_ready(self.config, url)
         code = proc.wait()
         terminate(record, grace_s=5.0)  # anything the server left behind in its session
-        clear(self.paths)
+        self._forget(keep_logs=True)
         return code
+
+    def _forget(self, keep_logs: bool) -> None:
+        """The run's records and its Ray temp dir (logs copied to exp_dir/logs/ray first)."""
+        temp = Path(ray_temp_dir(self.config.experiment.exp_dir, LOCAL_HOST))
+        remove_ray_temp_dir(temp, self.paths.logs / "ray" if keep_logs else None)
+        clear(self.paths)
 
     def stop(self) -> int:
         config, paths = self.config, self.paths
         records = load_processes(paths)
         if not records:
-            print(f"{config.experiment.exp_name}: nothing to stop (no records in {paths.run})")
+            print(f"{config.experiment.exp_name}: nothing to stop (no records in {paths.run})"
+                  f"{running_elsewhere(config)}")
             return 0
         survivors = []
         for record in records:
-            survivors += terminate(record)
+            survivors += terminate(record, grace_s=server_grace_s(config.deploy.drain_timeout_s))
         if survivors:
             print(f"could not stop: {', '.join(survivors)}", file=sys.stderr)
             return 1
-        clear(paths)
+        self._forget(keep_logs=True)
         run_hook(config.experiment.cmds.after_stop, server_env(config), "experiment.cmds.after_stop")
         pids = ", ".join(str(r.pid) for r in records)
         print(f"{config.experiment.exp_name}: stopped (session of pid {pids}; no process left)")
@@ -106,18 +158,27 @@ class LocalDeployment(Deployment):
         alive = [r for r in records if is_alive(r)]
         if not alive:
             stale = " (stale records: action=stop cleans them up)" if records else ""
-            print(f"{name}: not running{stale}")
+            print(f"{name}: not running{stale}{running_elsewhere(self.config)}")
             return 1
         url = self.endpoint
         ok = http.healthy(url)
         print(f"{name}: {'healthy' if ok else 'UNHEALTHY'} at {url}")
         for r in alive:
             print(f"  process {r.name}: pid {r.pid}, log {r.log}")
-        code, body = http.request(f"{url}/v1/models", api_key=self.config.api_key)
+        self._print_models(url)
+        return 0 if self._print_serve_status() and ok else 1
+
+    def _print_models(self, url: str) -> None:
+        try:
+            code, body = http.request(f"{url}/v1/models", api_key=self.config.api_key)
+        except OSError as err:  # URLError too: the server is reported unhealthy above
+            print(f"  models: cannot ask {url}/v1/models: {err}")
+            return
         if code == 200:
             for m in json.loads(body)["data"]:
                 print(f"  model {m['id']}: {m['root']} (max_model_len {m['max_model_len']})")
-        return 0 if self._print_serve_status() and ok else 1
+        else:
+            print(f"  models: {url}/v1/models answered HTTP {code}")
 
     def _print_serve_status(self) -> bool:
         """The application and its deployments, from the Ray cluster; False unless RUNNING."""
@@ -138,6 +199,7 @@ class LocalDeployment(Deployment):
 
 
 def _check_port_free(config: Config) -> None:
+    """No other program listens on the port (FlagServe runs are ruled out by its lock)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -60,7 +60,7 @@ class MultiHostDeployment(Deployment):
     def is_running(self) -> bool:
         return bool(load_processes(self.paths))
 
-    def run(self) -> int:
+    def run(self, hints: bool = True) -> int:
         name = self.config.experiment.exp_name
         if self.is_running():
             print(f"{name}: records of a running (or not cleanly stopped) deployment are in "
@@ -78,7 +78,7 @@ class MultiHostDeployment(Deployment):
                 if not isinstance(err, HostError):
                     raise
                 return 1
-        print_ready(self.config, self.endpoint, self._where())
+        print_ready(self.config, self.endpoint, self._where(), hints)
         return 0
 
     def stop(self) -> int:
@@ -135,7 +135,7 @@ class MultiHostDeployment(Deployment):
         save_hosts(paths, records)
         head_conn = conns[head.address]
         if not next(r for r in records if r.head).shared_fs:
-            head_conn.put_bytes(paths.config.read_bytes(), str(paths.config))
+            head_conn.put_bytes(paths.config.read_bytes(), str(paths.config), mode=0o600)
         cluster = {"address": self._gcs_address, "hosts": [asdict(h) for h in self.hosts],
                    "node_timeout_s": config.experiment.runner.node_timeout_s}
         head_conn.put_bytes(json.dumps(cluster, indent=2).encode(),

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from flagserve.cluster.ray_env import LOOPBACK_NODE_ENV
 from flagserve.runner.environment import ray_auth_env
 
 
@@ -28,6 +29,9 @@ def serve_status(gcs_address: str, namespace: str, app_name: str, token_file: Pa
     """(application status, its deployments). Connects as a short-lived Ray driver (left
     connected with disconnect=False, for more questions; the caller then calls ray.shutdown)."""
     os.environ.update(ray_auth_env(token_file))
+    if gcs_address.split(":")[0] in ("127.0.0.1", "localhost"):
+        # a single-host run's cluster: reached on loopback only (before Ray is imported)
+        os.environ.update(LOOPBACK_NODE_ENV)
     import ray
     from ray import serve
 

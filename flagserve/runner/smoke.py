@@ -16,9 +16,10 @@ def smoke_test(deployment: Deployment) -> int:
     if deployment.is_running():
         print("testing the deployment that is already running (it stays running)")
     else:
-        if deployment.run() != 0:
+        if deployment.run(hints=False) != 0:
             return 1
         started = True
+        print("started for the test; it is stopped when the test ends")
     try:
         problems = check(deployment.config, deployment.endpoint)
     finally:

@@ -40,7 +40,11 @@ from flagserve.serve.metrics_hub import MetricsHub
 from flagserve.serve.tokenizer_deployment import TokenizerDeployment
 from flagserve.serve.user_module import UserModuleDeployment
 
-GRACEFUL_SHUTDOWN_S = 5.0  # `stop` should not wait Serve's default 20 s per replica
+# A stopping replica drains (deploy.drain_timeout_s: the ingress's __del__, drain.py, or
+# Serve itself waiting for requests that came through it), then ends what is left and stops
+# its engine; Serve kills it this much after the drain timeout.
+SHUTDOWN_MARGIN_S = 10.0
+SHUTDOWN_WAIT_LOOP_S = 0.5  # how often Serve looks at a stopping replica's ongoing requests
 CONSTRUCTOR_RETRIES = 2  # a model that fails to load fails `run` quickly, not after 20 tries
 # Serve restarts a replica after 3 failed health checks in a row: a dead engine is replaced
 # in about 6 s instead of Serve's default 30 s (checking is one cheap call per period).
@@ -53,7 +57,6 @@ def deployment_options(res: ResourcesConfig, num_cpus: float, num_gpus: float = 
         "ray_actor_options": {"num_cpus": res.num_cpus if res.num_cpus is not None else num_cpus,
                               "num_gpus": num_gpus},
         "max_ongoing_requests": res.max_ongoing_requests or max_ongoing,
-        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
         "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
     }
     if res.autoscaling:
@@ -78,6 +81,12 @@ def engine_options(module: LLMModule, hosts: list[Host]) -> dict[str, Any]:
     return {**options, "health_check_period_s": ENGINE_HEALTH_CHECK_S}
 
 
+def shutdown_options(config: Config) -> dict[str, float]:
+    """Serve's graceful shutdown settings of every deployment of the graph."""
+    return {"graceful_shutdown_timeout_s": config.deploy.drain_timeout_s + SHUTDOWN_MARGIN_S,
+            "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_LOOP_S}
+
+
 def dependency_order(config: Config, module_id: str) -> list[str]:
     """User modules that feed `module_id`, each after its own dependencies."""
     order: list[str] = []
@@ -93,11 +102,12 @@ def dependency_order(config: Config, module_id: str) -> list[str]:
 
 
 def build_app(config: Config, hosts: list[Host]) -> Application:
+    stop = shutdown_options(config)
     hub = serve.deployment(MetricsHub).options(
         name="metrics", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
     users = {
         mid: serve.deployment(UserModuleDeployment).options(
-            name=mid, **deployment_options(m.resources, num_cpus=0)
+            name=mid, **deployment_options(m.resources, num_cpus=0), **stop
         ).bind(mid, m.module, m.name, m.init_args)
         for mid, m in config.user_modules.items()}
     local = ingress_in_engine(config)
@@ -108,14 +118,14 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
         tokenizer = None
         if module.tokenizer_deployment:
             tokenizer = serve.deployment(TokenizerDeployment).options(
-                name=f"{mid}-tokenizer", **deployment_options(module.tokenizer, num_cpus=0)
+                name=f"{mid}-tokenizer", **deployment_options(module.tokenizer, num_cpus=0), **stop
             ).bind(tokenizer_path)
         engine_args = engine_args_for(module).to_dict()  # placement fields stay here
         if mid == local:
             engine = LocalEngineSpec(mid, names[0], engine_args, engine_core_mode(module))
         else:
             engine = RemoteEngineSpec(serve.deployment(EngineDeployment).options(
-                name=f"{mid}-engine", **engine_options(module, hosts)
+                name=f"{mid}-engine", **engine_options(module, hosts), **stop
             ).bind(mid, names[0], engine_args, hub, engine_core_mode(module)))
         routes.append(ModelRoute(mid, names, engine, tokenizer_path, tokenizer,
                                  [(d, users[d]) for d in dependency_order(config, mid)]))
@@ -123,9 +133,8 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
         options = {"name": f"{local}-engine", **engine_options(config.llms[local], hosts)}
     else:
         options = {"name": "ingress", "num_replicas": config.deploy.ingress_replicas,
-                   "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": 0},
-                   "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S}
+                   "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": 0}}
     listen = (config.deploy.host, config.deploy.port) if direct_http(config) else None
-    return serve.deployment(serve.ingress()(OpenAIIngress)).options(**options).bind(
-        routes, config.api_key, hub, listen,
+    return serve.deployment(serve.ingress()(OpenAIIngress)).options(**options, **stop).bind(
+        routes, config.api_key, hub, listen, config.deploy.drain_timeout_s,
         limits=config.deploy.limits, docs=config.deploy.docs)

@@ -3,11 +3,16 @@
     python -m flagserve.serve --config EXP_DIR/config.yaml
     python -m flagserve.serve --config EXP_DIR/config.yaml --cluster CLUSTER.json
 
-Started by `run.py action=run` (flagserve.runner). Alone, it owns a Ray cluster on this host;
-`action=stop` sends SIGTERM, on which it shuts down Serve and then Ray, whose processes it
-started and which die with it. With --cluster (the multi-host runner starts it on the head),
-it joins the Ray cluster the runner started on the hosts of the hostfile, waits until every
-host's node is up, deploys, and on SIGTERM shuts down Serve only: the nodes are the runner's.
+Started by `run.py action=run` (flagserve.runner). Alone, it owns a Ray cluster on this host,
+whose listeners are all on loopback (ray_env.LOOPBACK_NODE_ENV); `action=stop` sends SIGTERM,
+on which it deletes the application (every replica drains, deploy.drain_timeout_s), shuts
+down Serve and then Ray, whose processes it started and which die with it. With --cluster
+(the multi-host runner starts it on the head), it joins the Ray cluster the runner started
+on the hosts of the hostfile, waits until every host's node is up, deploys, and on SIGTERM
+shuts down Serve only: the nodes are the runner's.
+
+It holds the lock of deploy.port (cluster/port_owner.py) for its whole life: inherited from
+`run` (--port-lock-fd), or taken at start.
 """
 from __future__ import annotations
 
@@ -23,29 +28,42 @@ from pathlib import Path
 
 import yaml
 
-from flagserve.cluster.ray_env import OBJECT_STORE_BYTES, SERVE_ENV
+from flagserve.cluster.port_owner import OwnerRecord, PortTakenError, take_port
+from flagserve.cluster.ray_env import (
+    LOCAL_HOST,
+    LOOPBACK_NODE_ENV,
+    OBJECT_STORE_BYTES,
+    SERVE_ENV,
+    ray_temp_dir,
+)
 from flagserve.cluster.records import ExpPaths, RayRecord, save_ray
 from flagserve.config import parse_config
 from flagserve.config.hostfile import Host, local_host
 from flagserve.config.schema import Config
 from flagserve.config.topology import direct_http
 
-log = logging.getLogger("flagserve.server")
+log = logging.getLogger("flagserve.server")  # its INFO lines are `run`'s progress
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flagserve.serve")
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--cluster", type=Path, help="join this cluster (multi-host runner)")
+    parser.add_argument("--port-lock-fd", type=int, help="the port's lock, taken by `run`")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     config, _ = parse_config(yaml.safe_load(args.config.read_text()))
     stop = threading.Event()
     _stop_on_signals(stop)
-    # Ray Serve reads its settings when imported, in this process and in every Ray worker
-    # (which inherit this environment when this process starts the cluster).
+    if not _hold_port(config, args.port_lock_fd):
+        return 1
+    # Ray and Ray Serve read their settings when imported, in this process and in every Ray
+    # worker (which inherit this environment when this process starts the cluster).
     for key, value in SERVE_ENV.items():
         os.environ.setdefault(key, value)
+    if args.cluster is None:
+        os.environ.update(LOOPBACK_NODE_ENV)
     import ray
 
     cluster = json.loads(args.cluster.read_text()) if args.cluster is not None else None
@@ -62,6 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+def _hold_port(config: Config, fd: int | None) -> bool:
+    """Hold deploy.port's lock for the life of this process; False when another has it."""
+    if fd is not None:
+        os.set_inheritable(fd, False)  # held by this process, not by the Ray processes it starts
+        return True
+    owner = OwnerRecord(config.experiment.exp_name, config.experiment.exp_dir, _bind_url(config),
+                        config.deploy.port)
+    try:
+        take_port(owner)  # the fd stays open, and the lock held, until this process ends
+    except PortTakenError as err:
+        log.error("%s; stop it first, or pick another port (experiment.runner.deploy.port)", err)
+        return False
+    return True
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -82,8 +115,10 @@ def _init_ray(config: Config, cluster: dict | None) -> list[Host]:
                  logging_level=logging.WARNING)
         return [Host(**h) for h in cluster["hosts"]]
     hosts = [local_host(config.experiment.envs)]
+    log.info("starting a Ray cluster on this host (listening on loopback only)")
     ray.init(namespace=config.namespace, include_dashboard=False, num_cpus=logical_cpus(config),
-             object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING)
+             object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING,
+             _temp_dir=ray_temp_dir(config.experiment.exp_dir, LOCAL_HOST))
     return hosts
 
 
@@ -111,11 +146,19 @@ def _serve_until(stop: threading.Event, config: Config, hosts: list[Host]) -> No
     # themselves; Serve starts no proxy.
     serve.start(http_options={"host": deploy.host, "port": deploy.port},
                 proxy_location="Disabled" if direct_http(config) else "HeadOnly")
-    serve.run(build_app(config, hosts), name=config.experiment.exp_name, route_prefix="/")
-    log.info("serving %s at %s", config.experiment.exp_name, _bind_url(config))
-    while not stop.wait(1.0):
+    name = config.experiment.exp_name
+    log.info("deploying %s: %s (each engine replica loads its model)", name,
+             ", ".join(f"{mid}-engine" for mid in config.llms))
+    serve.run(build_app(config, hosts), name=name, route_prefix="/")
+    log.info("serving %s at %s", name, _bind_url(config))
+    while not stop.wait(0.25):
         pass
-    log.info("stopping")
+    # Deleting the application first drains every replica (up to deploy.drain_timeout_s)
+    # while Serve's HTTP proxy, which serve.shutdown() kills at once, still delivers their
+    # responses.
+    log.info("stopping: new requests are refused; running ones get up to %g s",
+             deploy.drain_timeout_s)
+    serve.delete(name)
     serve.shutdown()
 
 

@@ -79,13 +79,13 @@ def test_stop_status_and_health():
            "host": "10.0.0.2", "session": True}
     cfg = config(cmds={"after_stop": "echo done"})
     assert cmd.stop_host(cfg, "10.0.0.2", [rec]) == AGENT + [
-        "stop", f"--records={json.dumps([rec])}",
+        "stop", f"--records={json.dumps([rec])}", "--server-grace=60",
         f"--ray-temp-dir={cmd.HostPaths('/srv/exp', '10.0.0.2').ray_temp_dir}",
         "--logs=/srv/exp/logs/10.0.0.2", "--env=NCCL_DEBUG=INFO", "--env=FLAG=1",
         "--after-stop=echo done"]
     # stopping the server alone leaves Ray's temp dir and after_stop to the host's last call
     assert cmd.stop_host(cfg, "10.0.0.1", [rec], last=False) == AGENT + [
-        "stop", f"--records={json.dumps([rec])}"]
+        "stop", f"--records={json.dumps([rec])}", "--server-grace=60"]  # drain 30 s + 30 s
     ray = {"gcs_address": "10.0.0.1:6400", "namespace": "flagserve-demo", "app_name": "demo"}
     assert cmd.host_status(cfg, "10.0.0.1", [rec], ray) == AGENT + [
         "status", f"--records={json.dumps([rec])}", f"--ray={json.dumps(ray)}",

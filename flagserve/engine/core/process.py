@@ -16,7 +16,9 @@ import logging
 import os
 import pickle
 import queue
+import re
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -138,7 +140,10 @@ class EngineProcess:
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self.proc.poll() is None
+        """Alive now (what /health reports): not failed, not exited and not exiting. The
+        reader thread learns of a death only when the child's socket closes, late in its
+        exit, and Popen.poll() says nothing while that thread waits for the exit."""
+        return self.error is None and _running(self.proc.pid) and self.proc.returncode is None
 
     def shutdown(self) -> None:
         if self._stopping:
@@ -157,6 +162,30 @@ class EngineProcess:
     def _kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+PF_EXITING = 0x4  # Linux task flag: the process has started to exit
+SIGKILL_PENDING = 1 << (signal.SIGKILL - 1)  # its bit in /proc/<pid>/status SigPnd, ShdPnd
+
+
+def _running(pid: int) -> bool:
+    """The child has not exited (waitid without reaping it: the reader thread's wait() does
+    that), is not exiting, and has no SIGKILL pending (procfs, where there is one: from
+    the kill() on, not from when the child is next scheduled)."""
+    try:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return False
+    except ChildProcessError:
+        return False  # reaped already
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # no procfs: the exit is seen once it is complete
+    if int(stat.rsplit(b")", 1)[1].split()[6]) & PF_EXITING:  # field 9, flags
+        return False
+    pending = re.findall(r"^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, re.M)
+    return not any(int(mask, 16) & SIGKILL_PENDING for mask in pending)
 
 
 def _send(conn: Connection, msg: CoreReady | CoreFailed) -> None:

@@ -37,6 +37,7 @@ from flagserve.entrypoints.openai.checks import (
     check_list_lengths,
     check_token_ids,
 )
+from flagserve.entrypoints.openai.drain import Drain
 from flagserve.entrypoints.openai.engine_client import (
     EngineChunk,
     EngineClient,
@@ -66,7 +67,7 @@ class ModelRoute:
 
 class OpenAIIngress:
     def __init__(self, routes: list[ModelRoute], api_key: str | None, metrics_hub: Any,
-                 listen: tuple[str, int] | None = None,
+                 listen: tuple[str, int] | None = None, drain_timeout_s: float = 30.0,
                  limits: ApiLimits | None = None, docs: bool = False):
         self.limits = limits or ApiLimits()
         self.docs = docs  # /docs and /openapi.json
@@ -76,6 +77,8 @@ class OpenAIIngress:
         self.by_name = {name: r for r in routes for name in [*r.names, r.module_id]}
         self.api_key = api_key
         self.metrics_hub = metrics_hub
+        self.drain: Drain | None = None  # the app, wrapped: stop drains it (drain.py)
+        self.drain_timeout_s = drain_timeout_s
         self.infos: dict[str, ModelInfo] = {}
         self.engines: dict[str, EngineClient] = {r.module_id: r.engine.connect(metrics_hub)
                                                  for r in routes}
@@ -85,13 +88,17 @@ class OpenAIIngress:
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this once the replica is constructed, on its event loop."""
-        app = build_api(self)
+        app = self.drain = Drain(build_api(self))
         if self.http is not None:
             self.http.start(app)
         return app
 
     async def __del__(self) -> None:
-        """Ray Serve calls this when it stops the replica."""
+        """Ray Serve calls this when it stops the replica: drain, then stop."""
+        if self.drain is not None:
+            running, cut = await self.drain.run(self.drain_timeout_s)
+            log.info("drained: %d requests were running, %d cut at the %g s timeout",
+                     running, cut, self.drain_timeout_s)
         if self.http is not None:
             await self.http.stop()
         for engine in self.engines.values():

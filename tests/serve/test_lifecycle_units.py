@@ -1,0 +1,141 @@
+"""The pieces of run/stop/status that need no deployment: port ownership, finding a run by
+its records, the hints a user copies, the drain of one replica's HTTP, the engine process's
+liveness."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import sys
+
+import pytest
+import yaml
+
+from flagserve.cluster.port_owner import RUN_DIR_ENV, OwnerRecord, PortTakenError, owners, take_port
+from flagserve.cluster.records import ExpPaths, write_private
+from flagserve.config import parse_config
+from flagserve.entrypoints.openai.drain import Drain
+from flagserve.runner import console
+from flagserve.runner.locate import recorded_config
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "locks"))
+    return tmp_path / "locks"
+
+
+def test_a_port_has_one_owner_until_its_holder_closes_it(run_dir):
+    first = OwnerRecord("a", "/x/a", "http://127.0.0.1:9001", 9001)
+    fd = take_port(first)
+    with pytest.raises(PortTakenError, match=r"port 9001 is owned by experiment a \(exp_dir /x/a"):
+        take_port(OwnerRecord("b", "/x/b", "http://0.0.0.0:9001", 9001))
+    assert owners() == [first]
+    assert oct(run_dir.stat().st_mode & 0o777) == "0o700"
+    os.close(fd)  # what the kernel does when the serving process ends, however it ends
+    assert owners() == []
+    os.close(take_port(OwnerRecord("b", "/x/b", "http://0.0.0.0:9001", 9001)))
+
+
+@pytest.mark.usefixtures("run_dir")
+def test_status_and_stop_read_the_run_from_its_records(tmp_path):
+    exp_dir = tmp_path / "exp"
+    started, _ = parse_config({"experiment": {"exp_name": "demo", "exp_dir": str(exp_dir), "runner": {
+        "deploy": {"port": 9123, "api_key": "k"}}}})
+    paths = ExpPaths(exp_dir)
+    paths.make()
+    paths.processes.write_text("[]")
+    write_private(paths.config, yaml.safe_dump(dataclasses.asdict(started)).encode())
+    assert oct(paths.config.stat().st_mode & 0o777) == "0o600"
+    # the same exp_dir, nothing else: the recorded port and key
+    bare, _ = parse_config({"action": "status", "experiment": {"exp_dir": str(exp_dir)}})
+    found = recorded_config(bare)
+    assert (found.deploy.port, found.api_key, found.action) == (9123, "k", "status")
+    # only the name: found through the port lock its serving process holds
+    fd = take_port(OwnerRecord("demo", str(exp_dir), "http://127.0.0.1:9123", 9123))
+    try:
+        named, _ = parse_config({"action": "stop", "experiment": {
+            "exp_name": "demo", "exp_dir": str(tmp_path / "elsewhere")}})
+        assert recorded_config(named).deploy.port == 9123
+    finally:
+        os.close(fd)
+
+
+def test_hints_use_the_venv_python_and_leave_the_other_overrides_out(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv/bin/python"))
+    monkeypatch.setattr(sys, "argv", ["run.py", "--config-path", "examples/x", "--config-name",
+                                      "serve", "experiment.exp_name=a", "+experiment.exp_dir=/d",
+                                      "experiment.runner.deploy.api_key=secret",
+                                      "experiment.runner.deploy.port=9", "action=run"])
+    assert console.same_command("stop") == (".venv/bin/python run.py --config-path examples/x "
+                                            "--config-name serve experiment.exp_name=a "
+                                            "experiment.exp_dir=/d action=stop")
+
+
+SSE = [(b"content-type", b"text/event-stream")]
+
+
+async def streaming_app(_scope, _receive, send, events: int = 1000, every_s: float = 0.02):
+    await send({"type": "http.response.start", "status": 200, "headers": SSE})
+    for i in range(events):
+        await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(),
+                    "more_body": True})
+        await asyncio.sleep(every_s)
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+async def call(app, path: str = "/v1/completions") -> tuple[int, bytes]:
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    await app({"type": "http", "path": path}, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_drain_lets_short_requests_finish_and_ends_long_streams_with_error_and_done():
+    async def main():
+        short = Drain(lambda s, r, c: streaming_app(s, r, c, events=5))
+        task = asyncio.create_task(call(short))
+        await asyncio.sleep(0.01)
+        assert await short.run(timeout_s=5.0) == (1, 0)
+        status, body = await task
+        assert status == 200 and body.endswith(b"data: 4\n\ndata: [DONE]\n\n")
+        assert await call(short) == (503, json.dumps({"error": {
+            "message": "the server is shutting down; retry on another replica or after it restarts",
+            "type": "ServiceUnavailableError", "param": None, "code": 503}}).encode())
+
+        long = Drain(streaming_app)
+        task = asyncio.create_task(call(long))
+        await asyncio.sleep(0.05)
+        assert await long.run(timeout_s=0.2) == (1, 1)
+        status, body = await task
+        error, done = body.rstrip(b"\n").split(b"\n\n")[-2:]
+        assert json.loads(error.removeprefix(b"data: "))["error"]["code"] == 503
+        assert done == b"data: [DONE]"
+    asyncio.run(main())
+
+
+def test_an_engine_process_is_dead_for_health_the_moment_it_is_killed():
+    from flagserve.engine.core.process import EngineProcess
+    from flagserve.engine.engine_args import EngineArgs
+    from flagserve.models.tiny import default_model_dir, ensure_tiny_model
+    path = default_model_dir("llama")
+    ensure_tiny_model(path, "llama")
+    core = EngineProcess(EngineArgs(model=str(path), device="cpu", dtype="float32",
+                                    max_model_len=128, cpu_kv_cache_space_gib=0.05))
+    try:
+        core.start(lambda _result: None)
+        assert core.alive
+        os.kill(core.proc.pid, signal.SIGKILL)
+        assert not core.alive  # at once: not when the reader thread sees the socket close
+    finally:
+        core.shutdown()
