@@ -24,6 +24,7 @@ from flagserve.entrypoints.openai.api import build_api
 from flagserve.entrypoints.openai.ingress import ModelRoute, OpenAIIngress
 from flagserve.entrypoints.openai.tokenizer import INLINE_CHARS, PromptTokenizer
 from flagserve.serve.engine_clients import LocalEngineSpec
+from flagserve.serve.tokenizer_deployment import TokenizerDeployment
 from tests.serve.conftest import free_port
 from tests.serve.raw_http import exchange, request_head
 
@@ -247,6 +248,15 @@ def test_large_inputs_are_tokenized_on_a_thread(llama_path):
     asyncio.run(main())
     assert threads[0] == threading.main_thread().name
     assert all(name.startswith("tokenize") for name in threads[1:]) and len(threads) == 3
+
+
+def test_the_tokenizer_deployment_takes_the_same_bound(llama_path):
+    """tokenizer.num_replicas >= 1: the ingress calls these with the same arguments."""
+    dep = TokenizerDeployment(llama_path)
+    with pytest.raises(ValueError, match="characters"):
+        asyncio.run(dep.encode_prompts(["x " * 10_000], MAX_MODEL_LEN - 1))
+    messages = [{"role": "user", "content": "hi"}]
+    assert asyncio.run(dep.encode_chat(messages, True, None, MAX_MODEL_LEN - 1))
 
 
 def test_the_length_precheck_never_refuses_what_fits(llama_path):
