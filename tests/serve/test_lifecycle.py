@@ -56,7 +56,8 @@ class Race:
 def race(tmp_path_factory):
     port = free_port()
     exp_dirs = [tmp_path_factory.mktemp(f"race{i}") / "exp" for i in range(2)]
-    args = [["--config-name", "serve", f"experiment.exp_name=race-{i}-{uuid.uuid4().hex[:6]}",
+    args = [["--config-name", "serve", "serve=tiny",
+             f"experiment.exp_name=race-{i}-{uuid.uuid4().hex[:6]}",
              f"experiment.exp_dir={d}", f"experiment.runner.deploy.port={port}",
              f"experiment.runner.deploy.api_key={KEY}",
              f"experiment.runner.deploy.drain_timeout_s={DRAIN_S}"] for i, d in enumerate(exp_dirs)]
@@ -81,7 +82,7 @@ def test_two_runs_on_one_port_exactly_one_wins(race):
     codes = sorted(r[0] for r in race.results)
     assert codes == [0, 1], race.results
     loser = 1 - race.winner
-    name = race.args[race.winner][2].split("=", 1)[1]
+    name = race.args[race.winner][3].split("=", 1)[1]
     assert (f"cannot start: port {race.port} is owned by experiment {name} "
             f"(exp_dir {race.exp_dir}") in race.results[loser][2]
     assert not race.exp_dirs[loser].exists()  # a failed run leaves no exp_dir behind
@@ -143,7 +144,7 @@ def test_the_api_key_is_in_no_file_others_can_read(race):
 
 def test_status_and_stop_find_the_run_without_its_overrides(race):
     winner = race.args[race.winner]
-    name = winner[2].split("=", 1)[1]
+    name = winner[3].split("=", 1)[1]
     for args in (winner, ["--config-name", "serve", f"experiment.exp_dir={race.exp_dir}"],
                  [f"experiment.exp_name={name}", "experiment.runner.deploy.port=1"]):
         result = race.run_py(*args, "action=status")
@@ -204,6 +205,8 @@ def test_stop_drains_open_streams(race):
     assert long[-1] == b"[DONE]", long[-3:]
     assert json.loads(long[-2])["error"]["code"] == 503  # the drain timeout ended it
     assert DRAIN_S - 1 <= long_end - draining <= DRAIN_S + 4, (long_end - draining)
+    print(f"drain began {draining - start:.1f} s after stop; the long stream ended "
+          f"{long_end - draining:.1f} s later; stop took {time.monotonic() - start:.1f} s")
     # stop removed the run's Ray temp dir (its logs kept under exp_dir) and freed the port
     assert not Path(ray_temp_dir(str(race.exp_dir), LOCAL_HOST)).exists()
     assert (race.exp_dir / "logs/ray").is_dir() and not (race.exp_dir / "logs/ray").is_symlink()
