@@ -29,7 +29,7 @@ serve: venv
 stop: venv
 	@$(PY) run.py --config-name serve action=stop
 
-# The engine alone, offline (vLLM's LLM API), on the same tiny model.
+# The engine alone, offline (vLLM's LLM API), on the same model.
 offline: venv
 	$(PY) examples/offline_inference.py
 

@@ -22,7 +22,7 @@ SMALL = ["experiment.bench.num_prompts=8", "experiment.bench.input_len=24",
 def server(tmp_path_factory):
     exp_dir = tmp_path_factory.mktemp("bench")
     port = free_port()
-    args = ["--config-name", "serve", f"experiment.exp_name=bench-{uuid.uuid4().hex[:8]}",
+    args = ["--config-name", "serve", "serve=tiny", f"experiment.exp_name=bench-{uuid.uuid4().hex[:8]}",
             f"experiment.exp_dir={exp_dir}", f"experiment.runner.deploy.port={port}",
             "serve.llm.engine_args.max_num_seqs=8", "serve.llm.engine_args.max_model_len=512"]
     try:

@@ -25,7 +25,7 @@ def run_py(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def experiment(netns_hosts, tmp_path: Path, name: str, hostfile: Path, *extra: str) -> list[str]:
-    return ["--config-name", "serve", f"experiment.exp_name={name}",
+    return ["--config-name", "serve", "serve=tiny", f"experiment.exp_name={name}",
             f"experiment.exp_dir={tmp_path / 'exp'}", f"experiment.runner.hostfile={hostfile}",
             f"experiment.runner.ssh.key_file={netns_hosts.client_key}",
             f"experiment.runner.ssh.known_hosts_file={netns_hosts.known_hosts}",

@@ -62,7 +62,7 @@ def deployment(request, tmp_path_factory) -> Deployment:
     exp_dir = tmp_path_factory.mktemp("exp")
     port = free_port()
     args = [
-        "--config-name", "serve",
+        "--config-name", "serve", "serve=tiny",
         f"experiment.exp_name=test-{uuid.uuid4().hex[:8]}", f"experiment.exp_dir={exp_dir}",
         f"experiment.runner.deploy.port={port}", f"experiment.runner.deploy.api_key={API_KEY}",
         # CLI overrides under test: renamed model, smaller context and batch.

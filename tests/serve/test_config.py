@@ -14,6 +14,10 @@ from tests.serve.conftest import REPO, run_py
 
 
 def composed(*overrides: str, config_dir: Path = REPO / "conf"):
+    """The experiment with the tiny model's graph (these cases name its sizes), unless a
+    `serve=` group is given."""
+    if config_dir == REPO / "conf" and not any(o.startswith("serve=") for o in overrides):
+        overrides = ("serve=tiny", *overrides)
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         return compose("serve", overrides=list(overrides))
 
@@ -232,3 +236,12 @@ def test_schema_keys_missing_from_a_file_name_the_plus_form():
     assert str(override_error(err)) == (
         "config error at `serve.llm.engine_args.seed`: is not listed in this config file\n"
         "  fix: add it with +serve.llm.engine_args.seed=<value>")
+
+
+def test_the_default_graph_serves_smollm2(capsys):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        code = execute(compose("serve", overrides=["action=plan"]))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "model smollm2-135m-instruct" in out
+    assert "LlamaForCausalLM, float32, 135M parameters" in out

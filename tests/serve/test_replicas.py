@@ -13,7 +13,7 @@ from tests.serve.conftest import free_port, kill_recorded, run_py
 
 def test_two_replicas_share_the_port(tmp_path):
     port = free_port()
-    args = ["--config-name", "serve", f"experiment.exp_name=test-{uuid.uuid4().hex[:8]}",
+    args = ["--config-name", "serve", "serve=tiny", f"experiment.exp_name=test-{uuid.uuid4().hex[:8]}",
             f"experiment.exp_dir={tmp_path}", f"experiment.runner.deploy.port={port}",
             "serve.llm.resources.num_replicas=2", "serve.llm.engine_args.max_model_len=256",
             "serve.llm.engine_args.cpu_kv_cache_space_gib=0.05"]
