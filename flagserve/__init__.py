@@ -11,6 +11,7 @@ _EXPORTS = {
     "EngineArgs": "flagserve.engine.engine_args",
     "SamplingParams": "flagserve.engine.sampling_params",
     "RequestOutputKind": "flagserve.engine.sampling_params",
+    "StructuredOutputsParams": "flagserve.engine.structured_outputs.params",
     "RequestOutput": "flagserve.engine.outputs",
     "CompletionOutput": "flagserve.engine.outputs",
     "Logprob": "flagserve.engine.outputs",

@@ -2,6 +2,7 @@
 
 The offline `LLM` loops over step(); the server drives the same loop from an async task.
 """
+import logging
 import time
 from dataclasses import dataclass
 
@@ -13,12 +14,16 @@ from flagserve.engine.kv_budget import batched_tokens
 from flagserve.engine.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from flagserve.engine.scheduler import Scheduler, SchedulerConfig
-from flagserve.engine.sequence import Sequence
+from flagserve.engine.sequence import Sequence, SequenceStatus
 from flagserve.engine.stats import EngineStats
 from flagserve.engine.step_input import StepInputBuilder
+from flagserve.engine.structured_outputs.matchers import StructuredOutputs
 from flagserve.layers.sampler import SamplerOutput
 from flagserve.models.config import load_model_config
 from flagserve.models.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+GRAMMAR_WAIT_S = 0.05  # an idle engine waits this long for a grammar before the loop looks again
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -69,6 +74,7 @@ class LLMEngine:
             SchedulerConfig(args.max_num_seqs, batched, args.enable_chunked_prefill),
             self.block_manager)
         self.requests: dict[str, RequestState] = {}
+        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, list(eos))
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._num_steps = 0
@@ -110,12 +116,19 @@ class LLMEngine:
                                                             params.skip_special_tokens))
         self.requests[request_id] = RequestState(request_id, text, ids, params, seqs, detoks,
                                                  RequestMetrics(arrival), [0] * params.n, [0] * params.n)
+        if params.structured_outputs is not None:
+            self.structured.hold(request_id, seqs)  # scheduled once its grammar is compiled
+            return
         for seq in seqs:
             self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is None:
+            return
+        if self.structured.drop(request_id):  # never scheduled
+            for seq in state.seqs:
+                seq.finish_reason, seq.status = FinishReason.ABORT, SequenceStatus.FINISHED
             return
         for seq in state.seqs:
             if not seq.is_finished:
@@ -124,6 +137,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        self.structured.forget(seq)
         self.step_inputs.release(seq)  # the sampling shard drops its state with the next step
 
     def has_unfinished(self) -> bool:
@@ -133,9 +147,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        failed = self._admit_compiled()
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            if self.structured.num_held and not failed:
+                self.structured.wait(GRAMMAR_WAIT_S)  # nothing else to run: no busy loop
+            return self._outputs(failed)
         now = time.time()
         for seq in batch.seqs:
             state = self.requests[seq.request_id]
@@ -143,18 +160,36 @@ class LLMEngine:
                 state.metrics.first_scheduled_time = now
                 self._prompt_tokens += len(state.prompt_token_ids)
         step = self.step_inputs.build(batch)
+        sampled = [batch.seqs[i] for i in step.sample_indices]
+        step.token_bitmask = self.structured.bitmask(sampled)
         output = self.executor.execute(step)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-        sampled = [batch.seqs[i] for i in step.sample_indices]
         touched = self._process_samples(sampled, output) if output is not None else []
-        outputs = [o for o in (self._make_output(self.requests[r]) for r in touched) if o is not None]
-        for out in outputs:
-            if out.finished:
-                del self.requests[out.request_id]
+        outputs = self._outputs(failed + touched)
         self._num_steps += 1
         self._step_seconds += time.perf_counter() - start
         return outputs
+
+    def _outputs(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = [o for o in (self._make_output(self.requests[r]) for r in request_ids) if o is not None]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
+
+    def _admit_compiled(self) -> list[str]:
+        """Schedule the requests whose grammar is ready; end (abort) those whose compilation
+        failed, returning their ids. validate() parsed the grammar already, so a failure here
+        is the compiler's own (out of memory, a vocabulary it cannot take)."""
+        ready, failed = self.structured.release()
+        for seq in ready:
+            self.scheduler.add(seq)
+        for request_id, err in failed:
+            logger.error("grammar compilation failed for request %s: %s", request_id, err)
+            for seq in self.requests[request_id].seqs:
+                seq.finish_reason, seq.status = FinishReason.ABORT, SequenceStatus.FINISHED
+        return [request_id for request_id, _ in failed]
 
     def _process_samples(self, seqs: list[Sequence], out: SamplerOutput) -> list[str]:
         now = time.time()
@@ -162,6 +197,7 @@ class LLMEngine:
         for row, seq in enumerate(seqs):
             token = out.token_ids[row]
             seq.token_ids.append(token)
+            grammar = self.structured.advance(seq)
             if seq.params.logprobs is not None:
                 self._record_logprobs(seq, row, out)
             state = self.requests[seq.request_id]
@@ -169,6 +205,11 @@ class LLMEngine:
             state.metrics.last_token_time = now
             self._generation_tokens += 1
             self._check_stop(seq, state.detokenizers[seq.index], token)
+            if grammar == "rejected":  # the mask allowed only grammar tokens: a bug, not the model
+                logger.error("request %s: token %d is outside its grammar", seq.request_id, token)
+                seq.finish_reason = FinishReason.ABORT
+            elif grammar == "terminated" and seq.finish_reason is None:
+                seq.finish_reason = FinishReason.STOP  # complete (ignore_eos, or a stop token id)
             if seq.finish_reason is not None:
                 self._finish(seq)
             touched[seq.request_id] = None
@@ -255,3 +296,4 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the shard workers (TP x PP > 1); the engine is unusable afterwards."""
         self.executor.shutdown()
+        self.structured.shutdown()

@@ -171,6 +171,7 @@ class ModelRunner:
                 if n < p.min_tokens else [] for n, p in zip(step.num_output_tokens, params)]
         generators = {i: s.generator for i, s in enumerate(seqs) if s.generator is not None}
         batch.generators = generators or None
+        batch.token_bitmask = step.token_bitmask
         return batch
 
     @torch.inference_mode()

@@ -10,6 +10,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from flagserve.engine.structured_outputs.params import StructuredOutputsParams
+
 INT32_MAX = 2**31 - 1  # counts and token ids: far above any vocabulary or context length
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # torch.Generator.manual_seed takes an int64
 FLOAT32_MAX = 3.4028234663852886e38  # past it the sampler's float32 tensors hold inf
@@ -58,6 +60,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +71,10 @@ class SamplingParams:
         self._check_sampling()
         self._check_lengths()
         self._check_stops()
+        if self.structured_outputs is not None:
+            _require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                     f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
     def _check_sampling(self) -> None:
         _require(_is_int(self.n, 1, MAX_N), "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.scheduler import ScheduledBatch
 from flagserve.engine.sequence import Sequence
@@ -36,6 +38,9 @@ class StepInput:
     output_token_ids: list[list[int]] | None  # when a sampled row has penalties
     new_seqs: list[NewSeq] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
+    # Per sampled row: allowed-token bits of its grammar (all ones when unconstrained); None
+    # when no row is constrained. The engine's matchers write it: they follow the tokens.
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,10 +1,10 @@
 """Turns the last-token logits of a batch into next tokens, per-row sampling parameters.
 
-Order as in vLLM: penalties and min_tokens act on the logits, then greedy rows take the
-argmax; random rows apply temperature, top-k, top-p and min-p and draw with the exponential
-race (argmax of p / Exp(1) noise), whose noise comes from the row's own generator when the
-request has a seed, so its draws do not depend on what else is in the batch. Reported
-logprobs are those of the raw model distribution.
+Order as in vLLM: penalties, min_tokens and a grammar's allowed-token mask act on the
+logits, then greedy rows take the argmax; random rows apply temperature, top-k, top-p and
+min-p and draw with the exponential race (argmax of p / Exp(1) noise), whose noise comes
+from the row's own generator when the request has a seed, so its draws do not depend on what
+else is in the batch. Reported logprobs are those of the raw model distribution.
 """
 from dataclasses import dataclass
 
@@ -28,6 +28,7 @@ class SamplingBatch:
     banned_token_ids: list[list[int]] | None = None  # per row: stop/EOS ids masked by min_tokens
     generators: dict[int, torch.Generator] | None = None  # row -> seeded generator
     max_num_logprobs: int = -1  # -1: no row asked for logprobs; 0: only the sampled token's
+    token_bitmask: torch.Tensor | None = None  # [N, ceil(vocab / 32)] int32: allowed tokens (grammars)
 
 
 @dataclass
@@ -84,6 +85,32 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where a row's bit is 0 (bit j of word w is token 32 * w + j, xgrammar's layout)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(logits.device)[:, :, None] >> shifts) & 1  # & 1 undoes the sign extension
+    allowed = bits.flatten(1)[:, :logits.shape[-1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def apply_bans_and_grammar(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """min_tokens bans, then the grammar. Where both together leave a row nothing (a grammar that
+    may only end, and EOS banned), the grammar wins: a token outside it would break the output."""
+    before = logits
+    if batch.banned_token_ids is not None:
+        logits = logits.clone()
+        for row, banned in enumerate(batch.banned_token_ids):
+            if banned:
+                logits[row, banned] = float("-inf")
+    if batch.token_bitmask is None:
+        return logits
+    masked = apply_token_bitmask(logits, batch.token_bitmask)
+    if batch.banned_token_ids is None:
+        return masked
+    empty = torch.isneginf(masked).all(-1, keepdim=True)
+    return torch.where(empty, apply_token_bitmask(before, batch.token_bitmask), masked)
+
+
 def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Generator] | None,
                       device: torch.device, default: torch.Generator) -> torch.Tensor:
     noise = torch.empty(shape, device=device)
@@ -107,10 +134,7 @@ class Sampler(nn.Module):
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
         if batch.repetition_penalties is not None or batch.presence_penalties is not None:
             logits = apply_penalties(logits, batch)
-        if batch.banned_token_ids is not None:
-            for row, banned in enumerate(batch.banned_token_ids):
-                if banned:
-                    logits[row, banned] = float("-inf")
+        logits = apply_bans_and_grammar(logits, batch)
         tokens = logits.argmax(-1)
         if not batch.all_greedy:
             temps = batch.temperatures.clamp_min(1e-5)[:, None]

@@ -1,0 +1,113 @@
+"""The engine's side of structured outputs: requests wait for their grammar, then every
+constrained sequence has a matcher that follows its output tokens.
+
+A matcher's state is a function of the sequence's output tokens, never of the KV cache, so
+chunked prefill, prefix caching and preemption by recompute (which keeps the generated tokens)
+leave it valid; sync() replays whatever tokens it has not seen, and rebuilds from the start
+when it has seen more than the sequence holds, so it always matches the tokens so far. Each of
+n > 1 samples has its own matcher.
+"""
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from flagserve.engine.sequence import Sequence
+from flagserve.engine.structured_outputs.compiler import GrammarCompiler
+
+Advance = Literal["ok", "terminated", "rejected"]
+
+
+@dataclass
+class _Held:
+    future: Future
+    seqs: list[Sequence]
+
+
+@dataclass
+class _Matcher:
+    matcher: Any  # xgrammar.GrammarMatcher
+    num_accepted: int = 0  # output tokens the matcher has consumed
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        self.vocab_size = vocab_size
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
+        self._held: dict[str, _Held] = {}  # request id -> its sequences, until the grammar is ready
+        self.matchers: dict[int, _Matcher] = {}  # seq_id -> matcher
+
+    # Requests waiting for their grammar
+
+    def hold(self, request_id: str, seqs: list[Sequence]) -> None:
+        self._held[request_id] = _Held(self.compiler.submit(seqs[0].params.structured_outputs), seqs)
+
+    def drop(self, request_id: str) -> bool:
+        """Forget a held request (aborted); True when it was held."""
+        return self._held.pop(request_id, None) is not None
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def wait(self, timeout: float) -> None:
+        """Block until a grammar is ready or `timeout`: for a step with nothing else to run."""
+        wait([h.future for h in self._held.values()], timeout, FIRST_COMPLETED)
+
+    def release(self) -> tuple[list[Sequence], list[tuple[str, BaseException]]]:
+        """Sequences whose grammar is ready (their matchers made), and (request id, error) of
+        those whose compilation failed."""
+        ready, failed = [], []
+        for request_id, held in list(self._held.items()):
+            if not held.future.done():
+                continue
+            del self._held[request_id]
+            if held.future.exception() is not None:
+                failed.append((request_id, held.future.exception()))
+                continue
+            import xgrammar as xgr
+            for seq in held.seqs:
+                self.matchers[seq.seq_id] = _Matcher(xgr.GrammarMatcher(held.future.result()))
+            ready.extend(held.seqs)
+        return ready, failed
+
+    # Constrained sequences
+
+    def sync(self, seq: Sequence) -> Advance:
+        """Bring the sequence's matcher up to its output tokens."""
+        m = self.matchers[seq.seq_id]
+        out = seq.output_token_ids
+        if m.num_accepted > len(out):
+            m.matcher.reset()
+            m.num_accepted = 0
+        for token in out[m.num_accepted:]:
+            if not m.matcher.accept_token(token):
+                return "rejected"
+            m.num_accepted += 1
+        return "terminated" if m.matcher.is_terminated() else "ok"
+
+    def advance(self, seq: Sequence) -> Advance | None:
+        """After a token was appended: None for an unconstrained sequence."""
+        return self.sync(seq) if seq.seq_id in self.matchers else None
+
+    def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """[len(seqs), ceil(vocab / 32)] int32 allowed-token bits for the rows that sample,
+        all ones for unconstrained rows; None when no row is constrained."""
+        rows = [(i, s) for i, s in enumerate(seqs) if s.seq_id in self.matchers]
+        if not rows:
+            return None
+        import xgrammar as xgr
+        mask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)  # all ones
+        for i, seq in rows:
+            self.sync(seq)
+            self.matchers[seq.seq_id].matcher.fill_next_token_bitmask(mask, i)
+        return mask
+
+    def forget(self, seq: Sequence) -> None:
+        self.matchers.pop(seq.seq_id, None)
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()

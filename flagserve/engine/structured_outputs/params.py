@@ -1,0 +1,98 @@
+"""StructuredOutputsParams: vLLM's offline spelling of a constraint on the output.
+
+Plain data only, because SamplingParams are pickled into the engine process; the grammar is
+compiled there. validate() parses the grammar without a tokenizer (milliseconds), so a bad
+schema or regex fails where the request is built (HTTP 400, ValueError offline), not later
+in the engine.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["json", "regex", "choice", "grammar", "json_object"]
+KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar", "json_object")
+# OpenAI's json_object: any JSON object (not any JSON value).
+ANY_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"SamplingParams.structured_outputs.{name} {message}")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of the fields is set."""
+    json: str | dict[str, Any] | None = None  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF as xgrammar (and vLLM's xgrammar backend) read it
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> Kind:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field: not exactly one set, a wrong type, or a grammar
+        that does not parse."""
+        chosen = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(chosen) != 1:
+            _fail(chosen[1] if chosen else "json",
+                  f"exactly one of {', '.join(KINDS)} must be set, got {chosen or 'none'}")
+        kind = chosen[0]
+        self._check_type(kind)
+        try:
+            parse_grammar(kind, self.spec())
+        except RuntimeError as err:  # xgrammar's parse errors: keep the message, drop its log prefix
+            _fail(kind, f"is not a valid {kind}: {str(err).split(': ', 1)[-1].strip()}")
+
+    def _check_type(self, kind: Kind) -> None:
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as err:
+                    _fail(kind, f"must be a JSON schema (an object), got invalid JSON: {err}")
+            if not isinstance(value, (dict, bool)):
+                _fail(kind, f"must be a JSON schema (an object), got {type(value).__name__}")
+        elif kind == "choice":
+            if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+                _fail(kind, f"must be a non-empty list of non-empty strings, got {value!r}")
+        elif kind == "json_object":
+            if value is not True:
+                _fail(kind, f"must be true or unset, got {value!r}")
+        elif not (isinstance(value, str) and value):
+            _fail(kind, f"must be a non-empty string, got {value!r}")
+
+    def spec(self) -> str:
+        """The canonical text of the constraint: the grammar cache's key with kind()."""
+        kind = self.kind
+        if kind == "json":
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        if kind == "json_object":
+            return ANY_OBJECT_SCHEMA
+        if kind == "choice":
+            return choice_ebnf(self.choice)
+        return getattr(self, kind)
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    # EBNF string literals take JSON's escapes; non-ASCII stays literal.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def parse_grammar(kind: Kind, spec: str) -> Any:
+    """The tokenizer-independent grammar (xgrammar.Grammar); RuntimeError when it does not parse."""
+    import xgrammar as xgr  # only requests with a constraint pay for the import
+    if kind in ("json", "json_object"):
+        return xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec)
+    return xgr.Grammar.from_ebnf(spec)

@@ -1,0 +1,113 @@
+"""Structured outputs: every output follows its grammar, and constraining one request changes
+nothing for the others, nor under preemption, chunked prefill, prefix caching and n > 1."""
+import json
+import pickle
+import re
+
+import jsonschema
+import pytest
+
+from flagserve import LLM, SamplingParams, StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pet": {"enum": ["cat", "dog"]}}, "required": ["name", "age", "pet"], "additionalProperties": False}
+PROMPTS = ["The weather today is sunny and the", "We cook rice with beans and",
+           "Count to 42 and write code on old computers before the rain comes back."]
+
+
+@pytest.fixture(scope="module")
+def llm(llama_path):
+    return LLM(llama_path, dtype="float32")
+
+
+def constrained(temperature: float = 0.0, n: int = 1, **kind) -> SamplingParams:
+    return SamplingParams(temperature=temperature, n=n, seed=7 if temperature else None, max_tokens=80,
+                          structured_outputs=StructuredOutputsParams(**kind))
+
+
+def texts(outs) -> list[list[str]]:
+    return [[c.text for c in o.outputs] for o in outs]
+
+
+def test_json_schema_outputs_validate(llm):
+    # Random weights: left alone the tiny model writes gibberish; the grammar makes it JSON.
+    outs = llm.generate(PROMPTS, [constrained(json=SCHEMA), constrained(1.0, n=3, json=json.dumps(SCHEMA)),
+                                  constrained(0.8, json_object=True)], use_tqdm=False)
+    for out in outs[:2]:
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert len({c.text for c in outs[1].outputs}) > 1  # three samples, each its own matcher
+    # Any object: random weights rarely close it within 80 tokens, but it is one from the start.
+    obj = outs[2].outputs[0]
+    assert obj.text.startswith("{")
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.text), dict)
+
+
+def test_choice_regex_and_grammar(llm):
+    choices = ["yes", "no", "perhaps not"]
+    outs = llm.generate(PROMPTS * 2, [constrained(1.0, n=4, choice=choices),
+                                      constrained(regex=r"[a-c]{2,5}-\d{3}"),
+                                      constrained(0.9, grammar='root ::= "(" d d? d? ")"\nd ::= [0-9]')] * 2,
+                        use_tqdm=False)
+    assert all(c.text in choices for c in outs[0].outputs)
+    assert re.fullmatch(r"[a-c]{2,5}-\d{3}", outs[1].outputs[0].text)
+    assert re.fullmatch(r"\(\d{1,3}\)", outs[2].outputs[0].text)
+    assert texts(outs[:3]) == texts(outs[3:])  # seeded: the same again, one compiled grammar
+
+
+def test_unconstrained_neighbours_unchanged(llm):
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(PROMPTS, plain, use_tqdm=False)
+    mixed = llm.generate(PROMPTS + PROMPTS, [plain] * 3 + [constrained(json=SCHEMA)] * 3, use_tqdm=False)
+    assert texts(mixed[:3]) == texts(alone)
+    assert texts(mixed[3:]) == texts(llm.generate(PROMPTS, constrained(json=SCHEMA), use_tqdm=False))
+
+
+def test_preemption_and_chunking_keep_outputs(llama_path, llm):
+    params = [constrained(json=SCHEMA), constrained(1.0, n=3, regex=r"[a-z ]{5,60}\."),
+              constrained(0.7, n=2, json=SCHEMA)] * 2
+    long = [p * 3 for p in PROMPTS] * 2  # several blocks each, shared prefixes across requests
+    reference = texts(llm.generate(long, params, use_tqdm=False))
+    tight = LLM(llama_path, dtype="float32", num_kv_blocks=14, max_model_len=224,
+                max_num_batched_tokens=24, max_num_seqs=8)
+    assert texts(tight.generate(long, params, use_tqdm=False)) == reference
+    assert tight.llm_engine.get_stats().num_preemptions > 0
+
+
+def test_matcher_rebuilds_from_the_tokens(llm):
+    engine = llm.llm_engine
+    engine.add_request("r", PROMPTS[0], constrained(regex=r"[a-z]{3,9}"))
+    while not engine.structured.matchers:
+        engine.step()  # the grammar compiles off the loop; its first step samples
+    seq = engine.requests["r"].seqs[0]
+    engine.step()
+    matcher = engine.structured.matchers[seq.seq_id]
+    matcher.num_accepted += 5  # pretend it saw more than the sequence holds: it must rebuild
+    assert engine.structured.sync(seq) == "ok" and matcher.num_accepted == seq.num_output_tokens
+    while engine.has_unfinished():
+        engine.step()
+
+
+@pytest.mark.parametrize("kind, value, message", [
+    ("json", '{"type": "wat"}', "not a valid json"),
+    ("json", "{not json", "invalid JSON"),
+    ("regex", "a(b", "not a valid regex"),
+    ("grammar", 'root ::= "a" |', "not a valid grammar"),
+    ("choice", [], "non-empty list"),
+])
+def test_invalid_constraints_name_the_field(kind, value, message):
+    with pytest.raises(ValueError, match=f"structured_outputs.{kind} .*{message}"):
+        StructuredOutputsParams(**{kind: value})
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+
+
+def test_params_pickle_for_the_engine_process():
+    params = constrained(json=SCHEMA)
+    again = pickle.loads(pickle.dumps(params))
+    again.validate()
+    assert again.structured_outputs == params.structured_outputs
