@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from flagserve.engine.sampling_params import SamplingParams
+from flagserve.entrypoints.openai.structured import ResponseFormat, StructuredOutputsBody, constraint
 
 
 class StreamOptions(BaseModel):
@@ -40,6 +41,9 @@ class _Request(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # Constraints on the output (structured.py): OpenAI's, or vLLM's field
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the SamplingParams field when a value is out of range."""
@@ -52,7 +56,8 @@ class _Request(BaseModel):
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, **optional)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=constraint(self.response_format, self.structured_outputs), **optional)
 
 
 Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
