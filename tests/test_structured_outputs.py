@@ -111,3 +111,9 @@ def test_params_pickle_for_the_engine_process():
     again = pickle.loads(pickle.dumps(params))
     again.validate()
     assert again.structured_outputs == params.structured_outputs
+
+
+def test_schema_key_order_is_kept():
+    # The grammar writes properties in the schema's order: the cache key must not sort them.
+    assert StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {}}}).spec() \
+        == '{"type": "object", "properties": {"b": {}, "a": {}}}'

@@ -75,7 +75,7 @@ class StructuredOutputsParams:
         kind = self.kind
         if kind == "json":
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            return json.dumps(schema, sort_keys=True, ensure_ascii=False)
+            return json.dumps(schema, ensure_ascii=False)  # key order is the output's order: kept
         if kind == "json_object":
             return ANY_OBJECT_SCHEMA
         if kind == "choice":
