@@ -184,6 +184,10 @@ class LLMModule:
     # Where each replica's step loop runs: process | thread (why: flagserve/engine/core);
     # auto: process, or thread with TP x PP > 1 (the replica drives the shard workers itself).
     engine_core: EngineCoreMode = "auto"
+    # How tool calls are found in the output for tool_choice auto (vLLM's --tool-call-parser):
+    # a name in flagserve/entrypoints/openai/tool_parsers.py's registry (hermes), or auto: by
+    # the chat template's markup.
+    tool_call_parser: str = "auto"
 
     @property
     def tokenizer_deployment(self) -> bool:

@@ -128,7 +128,8 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
                 name=f"{mid}-engine", **engine_options(module, hosts), **stop
             ).bind(mid, names[0], engine_args, hub, engine_core_mode(module)))
         routes.append(ModelRoute(mid, names, engine, tokenizer_path, tokenizer,
-                                 [(d, users[d]) for d in dependency_order(config, mid)]))
+                                 [(d, users[d]) for d in dependency_order(config, mid)],
+                                 module.tool_call_parser))
     if local is not None:
         options = {"name": f"{local}-engine", **engine_options(config.llms[local], hosts)}
     else:

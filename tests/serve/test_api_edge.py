@@ -284,7 +284,8 @@ FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_t
           "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
           "max_tokens", "logprobs", "stream", "stream_options", "skip_special_tokens", "model",
           "include_stop_str_in_output", "best_of", "echo", "user", "logit_bias"]
-CHAT_FIELDS = ["max_completion_tokens", "top_logprobs", "add_generation_prompt", "tools",
+CHAT_FIELDS = ["max_completion_tokens", "top_logprobs", "add_generation_prompt", "tools", "tool_choice",
+               "parallel_tool_calls",
                "chat_template_kwargs"]
 PROMPTS = st.one_of(st.just("Hello"), st.lists(st.integers(-2, 2000), max_size=4),
                     st.lists(st.sampled_from(["a", "b c", ""]), max_size=3), WEIRD)

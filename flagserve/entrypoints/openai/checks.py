@@ -26,9 +26,8 @@ def check_completion(req: Any) -> None:
 
 def check_chat(req: Any) -> int | None:
     """The number of top logprobs to return per token (None: no logprobs)."""
-    if req.tools or req.logit_bias:
-        name = "tools" if req.tools else "logit_bias"
-        raise OpenAIError(400, f"{name} is not supported", name)
+    if req.logit_bias:
+        raise OpenAIError(400, "logit_bias is not supported", "logit_bias")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")

@@ -51,6 +51,9 @@ from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from flagserve.entrypoints.openai.responses import ChatFormat, CompletionFormat, Header, sse_response
 from flagserve.entrypoints.openai.streams import batches, cancel_on_close, prepend
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
+from flagserve.entrypoints.openai.tool_output import ToolOutput
+from flagserve.entrypoints.openai.tool_parsers import choose_parser
+from flagserve.entrypoints.openai.tools import template_message
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
@@ -63,6 +66,7 @@ class ModelRoute:
     tokenizer_path: str
     tokenizer: Any  # DeploymentHandle of the tokenizer deployment; None: tokenize here
     preprocessors: list[tuple[str, Any]]  # user modules, dependencies first
+    tool_call_parser: str = "auto"  # tool_parsers.TOOL_PARSERS name; auto: by the chat template
 
 
 class OpenAIIngress:
@@ -85,6 +89,9 @@ class OpenAIIngress:
         # In-process tokenizers (no Ray Serve hop before the engine call).
         self.tokenizers = {r.module_id: PromptTokenizer(r.tokenizer_path)
                            for r in routes if r.tokenizer is None}
+        # A tokenizer deployment's template is not at hand here: `auto` takes the default parser.
+        self.tool_parsers = {r.module_id: choose_parser(r.tool_call_parser, self._template(r))
+                             for r in routes}
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this once the replica is constructed, on its event loop."""
@@ -105,6 +112,10 @@ class OpenAIIngress:
             engine.shutdown()
 
     # plumbing
+
+    def _template(self, route: ModelRoute) -> str | None:
+        tokenizer = self.tokenizers.get(route.module_id)
+        return tokenizer.tokenizer.chat_template if tokenizer is not None else None
 
     async def _info(self, route: ModelRoute) -> ModelInfo:
         if route.module_id not in self.infos:
@@ -161,8 +172,10 @@ class OpenAIIngress:
             raise OpenAIError(400, error_message(err), "prompt") from None
 
     async def _encode_chat(self, route: ModelRoute, req: Any, info: ModelInfo) -> list[int]:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        args = (messages, req.add_generation_prompt, req.chat_template_kwargs, info.max_model_len - 1)
+        messages = [template_message(m.model_dump(exclude_none=True)) for m in req.messages]
+        tools = req.template_tools()
+        kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        args = (messages, req.add_generation_prompt, kwargs or None, info.max_model_len - 1)
         try:
             if route.tokenizer is None:
                 return await self.tokenizers[route.module_id].encode_chat_async(*args)
@@ -196,6 +209,14 @@ class OpenAIIngress:
             await merged.aclose()
             raise
         return prepend(first, merged)
+
+    def _tool_output(self, route: ModelRoute, req: Any) -> Any:
+        """Makes each choice's ToolOutput; None when the request has no tools (plain text)."""
+        mode = req.tool_mode
+        if mode == "none":
+            return None
+        parser = self.tool_parsers[route.module_id]
+        return lambda: ToolOutput(mode, parser, req.named_tool)
 
     async def check_health(self) -> None:
         """Ray Serve calls this periodically; an engine that lives here and died, or the HTTP
@@ -261,7 +282,8 @@ class OpenAIIngress:
         params = self._sampling(req, max_tokens, top, info)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._start(route, [EngineRequest(rid, ids, params, req.stream, time.time())])
-        fmt = ChatFormat(Header(rid, req.model or route.names[0]), req.n, top)
+        fmt = ChatFormat(Header(rid, req.model or route.names[0]), req.n, top,
+                         self._tool_output(route, req))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(fmt.stream(stream, include_usage))

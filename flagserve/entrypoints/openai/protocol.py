@@ -10,7 +10,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from flagserve.engine.sampling_params import SamplingParams
+from flagserve.engine.structured_outputs.params import StructuredOutputsParams
 from flagserve.entrypoints.openai.structured import ResponseFormat, StructuredOutputsBody, constraint
+from flagserve.entrypoints.openai.tools import (
+    NamedToolChoice,
+    ToolChoice,
+    ToolDef,
+    ToolMode,
+    tool_constraint,
+    tool_mode,
+)
 
 
 class StreamOptions(BaseModel):
@@ -57,7 +66,10 @@ class _Request(BaseModel):
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=constraint(self.response_format, self.structured_outputs), **optional)
+            structured_outputs=self.output_constraint(), **optional)
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        return constraint(self.response_format, self.structured_outputs)
 
 
 Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
@@ -123,7 +135,9 @@ class ChatCompletionRequest(_Request):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None  # None: auto with tools, else none (OpenAI's default)
+    parallel_tool_calls: StrictBool = True  # False: `required` makes exactly one call
     logit_bias: dict[str, float] | None = None
 
     @field_validator("chat_template_kwargs")
@@ -142,3 +156,30 @@ class ChatCompletionRequest(_Request):
     @property
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def tool_mode(self) -> ToolMode:
+        """Raises ValueError naming tool_choice (sampling_params() checks it first)."""
+        try:
+            return tool_mode(self.tools, self.tool_choice)
+        except ValueError as err:
+            raise ValueError(f"SamplingParams.{err}") from None
+
+    @property
+    def named_tool(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """A tool_choice of `required` or a function constrains the output (tools.py)."""
+        tools = tool_constraint(self.tools, self.tool_mode, self.named_tool, self.parallel_tool_calls)
+        other = super().output_constraint()
+        if tools is not None and other is not None:
+            raise ValueError("SamplingParams.tool_choice that forces a call (required, a named "
+                             "function) cannot be combined with response_format or structured_outputs")
+        return tools or other
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """What the chat template sees: the tools, but for tool_choice none."""
+        if not self.tools or self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from flagserve.engine.core.loop import EngineDeadError
 from flagserve.engine.outputs import CompletionOutput, SampleLogprobs, merge_completion
 from flagserve.entrypoints.openai.engine_client import EngineChunk
 from flagserve.entrypoints.openai.errors import OpenAIError, engine_dead_message, error_message
+from flagserve.entrypoints.openai.tool_output import ToolOutput, full_message, stream_step
 
 log = logging.getLogger(__name__)
 Batches = AsyncIterator[list[tuple[int, EngineChunk]]]
@@ -97,10 +98,13 @@ def completion_choice(index: int, delta: CompletionOutput, logprobs: dict | None
             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
 
-def chat_choice(index: int, text: str, delta: CompletionOutput, logprobs: list | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
+def chat_choice(index: int, text: str, delta: CompletionOutput, logprobs: list | None,
+                tools: ToolOutput | None = None) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text} if tools is None else full_message(tools, text)
+    reason = delta.finish_reason if tools is None else tools.finish_reason(delta.finish_reason)
+    return {"index": index, "message": message,
             "logprobs": {"content": logprobs} if logprobs is not None else None,
-            "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+            "finish_reason": reason, "stop_reason": delta.stop_reason}
 
 
 def _merged(batch: list[tuple[int, EngineChunk]]) -> dict[tuple[int, int], CompletionOutput]:
@@ -166,9 +170,25 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    def __init__(self, header: Header, n: int, top_logprobs: int | None):
+    def __init__(self, header: Header, n: int, top_logprobs: int | None,
+                 tools: Callable[[], ToolOutput] | None = None):
+        """`tools`: makes each choice's ToolOutput when the request has tools (tool_output.py)."""
         self.header, self.n, self.top = header, n, top_logprobs
         self.usage = Usage()
+        self.tools = tools
+        self.outputs: dict[int, ToolOutput] = {}  # choice index -> its calls so far
+
+    def _delta(self, d: Any, lp: list | None) -> dict[str, Any] | None:
+        """The choice's chunk; None when there is nothing to send yet (a call being held)."""
+        delta, reason = ({"content": d.text} if d.text else {}), d.finish_reason
+        if self.tools is not None:
+            out = self.outputs.setdefault(d.index, self.tools())
+            delta, reason = stream_step(out, d.text, reason)
+            if not delta and reason is None and lp is None:
+                return None
+        return {"index": d.index, "delta": delta,
+                "logprobs": {"content": lp} if lp is not None else None,
+                "finish_reason": reason, "stop_reason": d.stop_reason}
 
     def _account(self, chunk: EngineChunk) -> None:
         self.usage.prompt_tokens = chunk.num_prompt_tokens
@@ -192,10 +212,9 @@ class ChatFormat:
             for d in _merged(batch).values():
                 if not _worth_sending(d, self.top):
                     continue
-                lp = self._logprobs(d)
-                choices.append({"index": d.index, "delta": {"content": d.text} if d.text else {},
-                                "logprobs": {"content": lp} if lp is not None else None,
-                                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason})
+                choice = self._delta(d, self._logprobs(d))
+                if choice is not None:
+                    choices.append(choice)
             if choices:
                 yield sse(self.header.body(obj, choices))
         if include_usage:
@@ -206,7 +225,8 @@ class ChatFormat:
         async for batch in batches:
             for _, chunk in batch:
                 self._account(chunk)
-                choices += [chat_choice(d.index, d.text, d, self._logprobs(d))
+                choices += [chat_choice(d.index, d.text, d, self._logprobs(d),
+                                        self.tools() if self.tools else None)
                             for d in chunk.choices]
         choices.sort(key=lambda c: c["index"])
         return self.header.body("chat.completion", choices, usage=self.usage.body())

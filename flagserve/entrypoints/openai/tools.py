@@ -1,0 +1,108 @@
+"""Tool calling on /v1/chat/completions: the request's `tools` and `tool_choice`.
+
+- `none`: no tools reach the template, the output is text.
+- `auto`: the tools reach the chat template (apply_chat_template(tools=...)), the model decides,
+  and the model family's parser (tool_parsers.py) finds its calls in the output.
+- `required` / a named function: the output is constrained (structured outputs) to a JSON list
+  of calls / to the named function's arguments, so the arguments always parse and match the
+  function's parameter schema, whatever the model or its template.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from flagserve.engine.structured_outputs.params import StructuredOutputsParams
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a function declared without parameters
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")  # whatever else the template may show
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None  # always strict here: the grammar is the schema
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
+def tool_mode(tools: list[ToolDef] | None, choice: ToolChoice | None) -> ToolMode:
+    """Raises ValueError naming the field. OpenAI's defaults: auto with tools, else none."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in {t.function.name for t in tools or ()}:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is "
+                             "not in tools")
+        return "named"
+    if choice in ("auto", "required") and not tools:
+        raise ValueError(f"tool_choice {choice!r} needs tools")
+    return choice
+
+
+def _parameters(tool: ToolDef) -> dict[str, Any]:
+    return tool.function.parameters if tool.function.parameters is not None else ANY_OBJECT
+
+
+def calls_schema(tools: list[ToolDef], parallel: bool) -> dict[str, Any]:
+    """`required`: a JSON list of {"name", "arguments"}, each call one of the tools."""
+    call = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+             "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                            "arguments": _parameters(t)}} for t in tools]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": call},
+            **({} if parallel else {"maxItems": 1})}
+
+
+def tool_constraint(tools: list[ToolDef] | None, mode: ToolMode, named: str | None,
+                    parallel: bool) -> StructuredOutputsParams | None:
+    """The constraint for `required` and named calls; ValueError naming `tools` when a
+    function's parameters are not a schema the grammar compiler takes."""
+    if mode == "required":
+        schema = calls_schema(tools or [], parallel)
+    elif mode == "named":
+        schema = _parameters(next(t for t in tools or () if t.function.name == named))
+    else:
+        return None
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ValueError as err:
+        raise ValueError(f"SamplingParams.tools hold a function whose parameters are not a JSON "
+                         f"schema this server takes: {str(err).split(' ', 1)[1]}") from None
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """An earlier turn as chat templates expect it: the arguments of an assistant's tool calls
+    as objects (OpenAI sends JSON text; templates write them with tojson, as vLLM passes them),
+    and content "" rather than null (templates concatenate it)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    fixed = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            with contextlib.suppress(ValueError):  # not JSON: the template gets the text as sent
+                fn = {**fn, "arguments": json.loads(fn["arguments"])}
+            call = {**call, "function": fn}
+        fixed.append(call)
+    return {**message, "content": message.get("content") or "", "tool_calls": fixed}
