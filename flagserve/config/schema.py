@@ -17,6 +17,8 @@ Action = Literal["run", "stop", "status", "test", "plan", "bench"]
 Ingress = Literal["auto", "engine", "separate"]
 HttpServer = Literal["auto", "replicas", "serve_proxy"]
 EngineCoreMode = Literal["auto", "process", "thread"]
+# "auto" or a key of flagserve/entrypoints/openai/tool_parsers.TOOL_PARSERS (a test keeps the two equal)
+ToolCallParser = Literal["auto", "hermes"]
 Engine = Literal["flagserve"]  # FlagServe runs its own engine (FlagScale's `vllm` maps here)
 KnownHosts = Literal["strict", "auto_add", "ignore"]
 BenchDataset = Literal["random", "shared-prefix", "jsonl"]
@@ -185,9 +187,8 @@ class LLMModule:
     # auto: process, or thread with TP x PP > 1 (the replica drives the shard workers itself).
     engine_core: EngineCoreMode = "auto"
     # How tool calls are found in the output for tool_choice auto (vLLM's --tool-call-parser):
-    # a name in flagserve/entrypoints/openai/tool_parsers.py's registry (hermes), or auto: by
-    # the chat template's markup.
-    tool_call_parser: str = "auto"
+    # a parser of the registry, or auto: the one whose markup the chat template uses.
+    tool_call_parser: ToolCallParser = "auto"
 
     @property
     def tokenizer_deployment(self) -> bool:

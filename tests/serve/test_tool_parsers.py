@@ -4,12 +4,13 @@ by a tools-aware chat template."""
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import pytest
 
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 from flagserve.entrypoints.openai.tool_output import ToolOutput, full_message, stream_step
-from flagserve.entrypoints.openai.tool_parsers import HermesParser, ParsedCall, choose_parser
+from flagserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, HermesParser, ParsedCall, choose_parser
 from flagserve.entrypoints.openai.tools import template_message
 
 TWO = ('Let me check. <tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -54,6 +55,11 @@ def test_an_unclosed_call_with_whole_json_counts():
 def test_string_arguments_are_normalized_to_a_json_object():
     assert parse('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>') == [
         ParsedCall("f", '{"x": 1}')]
+
+
+def test_the_config_type_names_every_parser_of_the_registry():
+    from flagserve.config.schema import ToolCallParser
+    assert set(get_args(ToolCallParser)) == {"auto", *TOOL_PARSERS}
 
 
 def test_the_registry():
