@@ -25,9 +25,8 @@ def check_completion(req: Any) -> None:
 
 
 def check_chat(req: Any) -> int | None:
-    """The number of top logprobs to return per token (None: no logprobs)."""
-    if req.logit_bias:
-        raise OpenAIError(400, "logit_bias is not supported", "logit_bias")
+    """The number of top logprobs to return per token (None: no logprobs); the fields that
+    would change the output and cannot be honoured are refused by the model (unhonoured.py)."""
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")

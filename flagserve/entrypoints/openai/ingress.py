@@ -24,7 +24,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from flagserve.config.schema import ApiLimits
 from flagserve.entrypoints.openai.api import build_api
@@ -47,7 +46,7 @@ from flagserve.entrypoints.openai.engine_client import (
 )
 from flagserve.entrypoints.openai.errors import OpenAIError, error_message
 from flagserve.entrypoints.openai.http_server import DirectHTTPServer
-from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from flagserve.entrypoints.openai.responses import ChatFormat, CompletionFormat, Header, sse_response
 from flagserve.entrypoints.openai.streams import batches, cancel_on_close, prepend
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
@@ -131,20 +130,11 @@ class OpenAIIngress:
                               f"{', '.join(n for r in self.routes for n in r.names)}", "model")
         return route
 
-    @staticmethod
-    def _parse(model: type, body: dict[str, Any]) -> Any:
-        try:
-            return model.model_validate(body)
-        except ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise OpenAIError(400, f"{where}: {first['msg']}", str(first["loc"][0])) from None
-
     async def _prepare(self, request: Request, model: type) -> tuple[Any, ModelRoute, ModelInfo]:
         body = parse_body(await request.body())
         longest = max([(await self._info(r)).max_model_len for r in self.routes])
         check_list_lengths(body, self.limits, longest)
-        parsed = self._parse(model, body)
+        parsed = parse_request(model, body)
         route = self._route(parsed.model)
         for module_id, handle in route.preprocessors:
             try:
@@ -153,7 +143,7 @@ class OpenAIIngress:
                 raise OpenAIError(400, f"{module_id}: {error_message(err)}") from None
         if route.preprocessors:
             check_text(body)
-            parsed = self._parse(model, body)
+            parsed = parse_request(model, body)
         return parsed, route, await self._info(route)
 
     async def _encode_prompts(self, route: ModelRoute, prompts: list, info: ModelInfo

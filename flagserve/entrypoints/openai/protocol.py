@@ -1,16 +1,18 @@
 """OpenAI request bodies (plus vLLM's extra sampling fields) and their SamplingParams.
 
-Validation errors become HTTP 400 with the OpenAI error shape; unknown fields are ignored,
-as vLLM does, so clients that send newer OpenAI fields keep working.
+Validation errors become HTTP 400 with the OpenAI error shape. Unknown fields are 400s too,
+unlike vLLM, which ignores them with a warning: a field FlagServe cannot honour is never
+silently dropped (unhonoured.py lists the OpenAI fields accepted unused and those refused).
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.structured_outputs.params import StructuredOutputsParams
+from flagserve.entrypoints.openai.errors import OpenAIError
 from flagserve.entrypoints.openai.structured import ResponseFormat, StructuredOutputsBody, constraint
 from flagserve.entrypoints.openai.tools import (
     NamedToolChoice,
@@ -20,16 +22,15 @@ from flagserve.entrypoints.openai.tools import (
     tool_constraint,
     tool_mode,
 )
+from flagserve.entrypoints.openai.unhonoured import ChatRefused, OutputNeutral, Strict, unknown_field_message
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _Request(OutputNeutral):
     model: str | None = None  # None: the only (or first) served model
     n: StrictInt = 1
     temperature: float | None = None
@@ -40,7 +41,6 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
     # vLLM extras
     top_k: StrictInt | None = None
     min_p: float | None = None
@@ -127,7 +127,7 @@ TEMPLATE_CALL_ARGS = frozenset({"chat_template", "conversation", "tokenize", "ad
                                 "tools", "documents", "return_dict", "tokenizer_kwargs"})
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(ChatRefused, _Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None  # None: up to the context window
     max_completion_tokens: StrictInt | None = None
@@ -138,7 +138,6 @@ class ChatCompletionRequest(_Request):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None  # None: auto with tools, else none (OpenAI's default)
     parallel_tool_calls: StrictBool = True  # False: `required` makes exactly one call
-    logit_bias: dict[str, float] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -183,3 +182,15 @@ class ChatCompletionRequest(_Request):
         if not self.tools or self.tool_mode == "none":
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """The request, or a 400 naming the first field that is wrong (or unknown)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = (unknown_field_message(where) if first["type"] == "extra_forbidden"
+                   else f"{where}: {first['msg']}")
+        raise OpenAIError(400, message, str(first["loc"][0])) from None

@@ -1,0 +1,83 @@
+"""The OpenAI fields FlagServe accepts without acting on them, and those it refuses.
+
+Never a silent ignore: a field that would change the output and that FlagServe cannot honour
+is a 400 naming it (an unknown field too: the request models forbid extras, and the official
+client sends only the parameters its caller gave). Fields that only label or route a request
+on OpenAI's side (user, metadata, store, service_tier, prompt caching hints) change nothing
+in what is generated, so they are accepted and unused.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
+
+# field -> why it cannot be honoured (the 400's message)
+REFUSED_CHAT = {
+    "logit_bias": "per-token biases are not applied by the sampler",
+    "functions": "the legacy functions API is not served; use tools",
+    "function_call": "the legacy functions API is not served; use tool_choice",
+    "audio": "audio output is not served",
+    "prediction": "predicted outputs are not served",
+    "web_search_options": "web search is not served",
+    "reasoning_effort": "reasoning effort is not served; use chat_template_kwargs where the "
+                        "template has such a variable",
+    "verbosity": "verbosity is not served",
+    "moderation": "moderation is not served",
+}
+# An unknown field named here gets the field that does the same in FlagServe.
+RENAMED = {"guided_json": "structured_outputs.json", "guided_regex": "structured_outputs.regex",
+           "guided_choice": "structured_outputs.choice",
+           "guided_grammar": "structured_outputs.grammar", "max_new_tokens": "max_tokens"}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class OutputNeutral(Strict):
+    """Accepted, unused: none of them changes what is generated."""
+
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+
+
+class ChatRefused(Strict):
+    """OpenAI chat fields that would change the output: only null (or text-only) passes."""
+
+    logit_bias: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    moderation: Any = None
+
+    @field_validator(*REFUSED_CHAT)
+    @classmethod
+    def _refuse(cls, value: Any, info: Any) -> Any:
+        # An empty logit_bias asks for nothing; an empty web_search_options asks for search.
+        if value is not None and not (info.field_name == "logit_bias" and value == {}):
+            raise ValueError(f"{info.field_name} is not supported: {REFUSED_CHAT[info.field_name]}")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and value != ["text"]:
+            raise ValueError("only the text modality is served")
+        return value
+
+
+def unknown_field_message(field: str) -> str:
+    hint = f"; FlagServe's field for it is {RENAMED[field]}" if field in RENAMED else ""
+    return (f"{field}: unknown field (FlagServe refuses what it would otherwise ignore{hint})")

@@ -1,0 +1,94 @@
+"""Fields FlagServe cannot honour are 400s naming them, never silently ignored; fields that do
+not change the output are accepted; what the official client sends for its ordinary calls
+(captured off the wire) always parses."""
+from __future__ import annotations
+
+import json
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from flagserve.entrypoints.openai.errors import OpenAIError
+from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+CHAT, COMPLETION = (ChatCompletionRequest, {"messages": MESSAGES}), (CompletionRequest, {"prompt": "hi"})
+
+REFUSED = [  # request, extra fields, the param named, a word of the message
+    (CHAT, {"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
+    (CHAT, {"functions": [{"name": "f", "parameters": {}}]}, "functions", "use tools"),
+    (CHAT, {"function_call": "auto"}, "function_call", "tool_choice"),
+    (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio"),
+    (CHAT, {"modalities": ["text", "audio"]}, "modalities", "text modality"),
+    (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction", "predicted"),
+    (CHAT, {"web_search_options": {}}, "web_search_options", "not supported"),
+    (CHAT, {"reasoning_effort": "low"}, "reasoning_effort", "chat_template_kwargs"),
+    (CHAT, {"verbosity": "low"}, "verbosity", "not supported"),
+    (CHAT, {"guided_json": {"type": "object"}}, "guided_json", "structured_outputs.json"),
+    (CHAT, {"frobnicate": 1}, "frobnicate", "unknown field"),
+    (CHAT, {"stream_options": {"include_usage": True, "extra": 1}}, "stream_options", "unknown"),
+    (COMPLETION, {"guided_regex": "a+"}, "guided_regex", "structured_outputs.regex"),
+    (COMPLETION, {"functions": []}, "functions", "unknown field"),  # not a completions field
+    (COMPLETION, {"max_new_tokens": 3}, "max_new_tokens", "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("request_,extra,param,word", REFUSED, ids=[r[2] for r in REFUSED])
+def test_fields_that_cannot_be_honoured_are_400_naming_them(request_, extra, param, word):
+    model, base = request_
+    with pytest.raises(OpenAIError) as err:
+        parse_request(model, {**base, **extra})
+    assert (err.value.status, err.value.param) == (400, param)
+    assert word in err.value.message
+
+
+ACCEPTED = [  # they label or route the request on OpenAI's side; the output is the same
+    (CHAT, {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "prompt_cache_key": "k", "safety_identifier": "s"}),
+    (CHAT, {"logit_bias": None, "functions": None, "audio": None, "modalities": ["text"]}),
+    (CHAT, {"logit_bias": {}}),  # asks for no bias
+    (COMPLETION, {"user": "u1", "stream_options": {"include_usage": True}}),
+]
+
+
+@pytest.mark.parametrize("request_,extra", ACCEPTED)
+def test_output_neutral_fields_are_accepted(request_, extra):
+    model, base = request_
+    parse_request(model, {**base, **extra})
+
+
+def _sent_bodies(call) -> list[dict]:
+    """The JSON bodies the official client sends for `call(client)`, answered with a stub."""
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(500, json={"error": {"message": "stub"}})
+
+    client = openai.OpenAI(base_url="http://stub/v1", api_key="k", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    with pytest.raises(openai.InternalServerError):
+        call(client)
+    return bodies
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+CLIENT_CALLS = [
+    (ChatCompletionRequest, lambda c: c.chat.completions.create(
+        model="m", messages=MESSAGES, max_completion_tokens=5, temperature=0.5, top_p=0.9, n=1,
+        stop=["x"], seed=1, presence_penalty=0.1, frequency_penalty=0.1, logprobs=True,
+        top_logprobs=2, user="u", metadata={"a": "b"}, store=False, tools=TOOLS,
+        tool_choice="required", parallel_tool_calls=False, stream=True,
+        stream_options={"include_usage": True}, extra_body={"top_k": 5, "min_p": 0.1})),
+    (ChatCompletionRequest, lambda c: c.chat.completions.parse(
+        model="m", messages=MESSAGES, response_format={"type": "json_object"})),
+    (CompletionRequest, lambda c: c.completions.create(
+        model="m", prompt="hi", max_tokens=3, logprobs=2, echo=False, stop="x", seed=2, user="u")),
+]
+
+
+@pytest.mark.parametrize("model,call", CLIENT_CALLS)
+def test_what_the_official_client_sends_parses(model, call):
+    (body,) = _sent_bodies(call)
+    parse_request(model, body)
