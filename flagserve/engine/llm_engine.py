@@ -291,6 +291,8 @@ class LLMEngine:
             num_steps=self._num_steps,
             step_seconds=self._step_seconds,
             forward_seconds=self.executor.forward_seconds,
+            structured_output_compile_requests=self.structured.compiler.requests,
+            structured_output_cache_hits=self.structured.compiler.cache_hits,
         )
 
     def shutdown(self) -> None:

@@ -15,3 +15,5 @@ class EngineStats:
     num_steps: int
     step_seconds: float  # wall time inside step(), cumulative
     forward_seconds: float  # of which model forward + LM head
+    structured_output_compile_requests: int = 0  # grammars asked of the compiler (cumulative)
+    structured_output_cache_hits: int = 0  # of those, found compiled (or compiling) in its LRU

@@ -47,6 +47,13 @@ COUNTERS = {
                                   "prefix_cache_queries"),
     "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     "vllm:num_preemptions": ("Preemptions of running requests.", "num_preemptions"),
+    # FlagServe's own (vLLM has no such counter): hit rate = cache_hits / compile_requests.
+    "flagserve:structured_output_compile_requests": (
+        "Grammars (JSON schema, regex, choice, EBNF) asked of the compiler.",
+        "structured_output_compile_requests"),
+    "flagserve:structured_output_cache_hits": (
+        "Of those, served from the compiled-grammar cache (or a compilation under way).",
+        "structured_output_cache_hits"),
 }
 SUCCESS = "vllm:request_success"  # counter labelled by finished_reason
 

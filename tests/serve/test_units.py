@@ -113,6 +113,21 @@ def test_metrics_render_vllm_names():
     assert 'vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.5' in text
 
 
+def test_grammar_cache_hit_rate_reaches_metrics(llama_path):
+    """The compiler counts what it is asked and what its LRU answers; /metrics shows both."""
+    from flagserve import LLM, SamplingParams, StructuredOutputsParams
+    llm = LLM(llama_path, dtype="float32")
+    regex = [SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex=r))
+             for r in (r"a{1,3}", r"b{1,3}", r"a{1,3}")]
+    llm.generate(["x"] * 3, regex, use_tqdm=False)
+    llm.generate(["y"], regex[1], use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert (stats.structured_output_compile_requests, stats.structured_output_cache_hits) == (4, 2)
+    text = render({("tiny", "0"): EngineMetrics().snapshot(stats)}).decode()
+    assert 'flagserve:structured_output_compile_requests_total{engine="0",model_name="tiny"} 4.0' in text
+    assert 'flagserve:structured_output_cache_hits_total{engine="0",model_name="tiny"} 2.0' in text
+
+
 def test_chunks_that_arrive_together_leave_as_one_sse_event():
     import json
 

@@ -3,7 +3,7 @@
 Pickling dataclasses runs Python code per object (copyreg's __reduce_ex__), with cold caches
 right after a step's torch work; tuples, lists, strings and numbers pickle in C (what it
 saves: docs/performance.md, "Serving"). The fields are positional in dataclass field order,
-so a new field of RequestOutput or CompletionOutput must be added on both sides here
+so a new field of RequestOutput, CompletionOutput or EngineStats must be added on both sides here
 (tests/serve/test_engine_core.py round-trips every field).
 """
 from __future__ import annotations
@@ -39,7 +39,8 @@ def encode(result: StepResult) -> bytes:
     s = result.stats
     stats = (s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries,
              s.prefix_cache_hits, s.prompt_tokens, s.generation_tokens, s.num_preemptions,
-             s.num_steps, s.step_seconds, s.forward_seconds)
+             s.num_steps, s.step_seconds, s.forward_seconds,
+             s.structured_output_compile_requests, s.structured_output_cache_hits)
     return pickle.dumps(([_request(o) for o in result.outputs], stats, result.time,
                          result.rejected), protocol=pickle.HIGHEST_PROTOCOL)
 

@@ -28,15 +28,19 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[Kind, str], Future] = OrderedDict()
         self._cache_size = cache_size
+        # Counted under the lock; read unlocked by the stats (ints: a torn read cannot happen).
+        self.requests, self.cache_hits = 0, 0  # cumulative: submits, of which served from the cache
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
 
     def submit(self, params: StructuredOutputsParams) -> Future:
         """A future of the xgrammar.CompiledGrammar for `params`; a cached one when seen before."""
         key = (params.kind, params.spec())
         with self._lock:
+            self.requests += 1
             future = self._cache.get(key)
             if future is not None and not (future.done() and future.exception()):
                 self._cache.move_to_end(key)
+                self.cache_hits += 1  # a compilation still running counts: it is shared
                 return future
             future = self._pool.submit(self._compile, *key)
             self._cache[key] = future
