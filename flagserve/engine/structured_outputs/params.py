@@ -92,7 +92,22 @@ def parse_grammar(kind: Kind, spec: str) -> Any:
     """The tokenizer-independent grammar (xgrammar.Grammar); RuntimeError when it does not parse."""
     import xgrammar as xgr  # only requests with a constraint pay for the import
     if kind in ("json", "json_object"):
-        return xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+        return _json_grammar(xgr, spec)
     if kind == "regex":
         return xgr.Grammar.from_regex(spec)
     return xgr.Grammar.from_ebnf(spec)
+
+
+# xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this class,
+# which admits raw control characters (a tab, \x00): not JSON (RFC 8259 wants them escaped),
+# and json.loads refuses them. Its plain-string rule excludes them; so does the replacement.
+_LENGTH_BOUNDED_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def _json_grammar(xgr: Any, spec: str) -> Any:
+    grammar = xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+    ebnf = str(grammar)
+    if _LENGTH_BOUNDED_CHAR not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_BOUNDED_CHAR, _JSON_STRING_CHAR))
