@@ -69,6 +69,9 @@ class Target:
             body["max_tokens"] = sample.output_len
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if sample.schema is not None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "bench", "schema": sample.schema}}
         body.update(self.extra_body or {})
         return body
 

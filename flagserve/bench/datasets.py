@@ -1,4 +1,5 @@
-"""Benchmark prompts: random, shared-prefix and JSONL, as vLLM's `bench serve` builds them.
+"""Benchmark prompts: random, shared-prefix and JSONL, as vLLM's `bench serve` builds them,
+and json-schema: random prompts whose requests each carry a JSON schema (structured outputs).
 
 Random prompts are built from the tokenizer's vocabulary, then decoded and re-encoded until
 the text tokenizes to exactly the asked length, so `prompt_len` is what the server sees for a
@@ -23,6 +24,7 @@ class SampleRequest:
     prompt_len: int  # tokens of prefix + prompt as a completions request, special tokens included
     output_len: int | None  # max_tokens (None: the server's default)
     prefix: str = ""  # shared system prompt (chat: the system message)
+    schema: dict[str, Any] | None = None  # json-schema: the output's schema (response_format)
 
     @property
     def text(self) -> str:
@@ -89,6 +91,36 @@ def random_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len:
             for n, o in zip(ins, outs)]
 
 
+# A server sees a few schemas again and again. Each holds an array of at least OPEN items, so
+# no output can close before max_tokens (up to ~1000): every request runs to its max_tokens as
+# a random one does, and the ITLs compare.
+OPEN = 512
+_ITEM = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                          "tag": {"enum": ["red", "green", "blue"]},
+                                          "ok": {"type": "boolean"}},
+         "required": ["id", "tag", "ok"], "additionalProperties": False}
+BENCH_SCHEMAS = (
+    {"type": "array", "items": _ITEM, "minItems": OPEN},
+    {"type": "object", "required": ["words"], "additionalProperties": False,
+     "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                               "minItems": OPEN}}},
+    {"type": "array", "items": {"type": "number"}, "minItems": OPEN},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                      "scores": {"type": "array", "items": {"type": "integer"},
+                                                 "minItems": OPEN}},
+     "required": ["name", "scores"], "additionalProperties": False},
+)
+
+
+def json_schema_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
+                        range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
+    """The random dataset's prompts and lengths, request i constrained by BENCH_SCHEMAS[i % 4]."""
+    samples = random_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
+    for i, sample in enumerate(samples):
+        sample.schema = BENCH_SCHEMAS[i % len(BENCH_SCHEMAS)]
+    return samples
+
+
 def shared_prefix_dataset(tokenizer: Any, num_prompts: int, prefix_len: int, input_len: int,
                           output_len: int, range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
     """Every request starts with the same `prefix_len`-token system prompt, then `input_len`
@@ -133,6 +165,8 @@ def build_dataset(name: BenchDataset, tokenizer: Any, num_prompts: int, input_le
                   path: str | None = None, seed: int = 0) -> list[SampleRequest]:
     if name == "random":
         return random_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
+    if name == "json-schema":
+        return json_schema_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
     if name == "shared-prefix":
         return shared_prefix_dataset(tokenizer, num_prompts, prefix_len, input_len, output_len,
                                      range_ratio, seed)

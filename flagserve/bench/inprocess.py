@@ -34,14 +34,17 @@ def bench_engine(engine: Any, samples: list[SampleRequest], offsets: list[float]
                  ) -> tuple[list[RequestResult], float]:
     """Drive `engine` (an LLMEngine) with the workload; returns results and the duration."""
     from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
+    from flagserve.engine.structured_outputs.params import StructuredOutputsParams
 
     prompts = PromptTokenizer(engine.tokenizer)
     ids = [encode(prompts, s, endpoint) for s in samples]
 
     def params(sample: SampleRequest, prompt_len: int, cap: int | None = None) -> SamplingParams:
         max_tokens = sample.output_len or engine.max_model_len - prompt_len
+        schema = None if sample.schema is None else StructuredOutputsParams(json=sample.schema)
         return SamplingParams(temperature=0.0, max_tokens=min(max_tokens, cap or max_tokens),
-                              ignore_eos=ignore_eos, output_kind=RequestOutputKind.DELTA)
+                              ignore_eos=ignore_eos, output_kind=RequestOutputKind.DELTA,
+                              structured_outputs=schema)
 
     for i in range(min(warmup, len(samples))):  # warm-up, as the HTTP run
         engine.add_request(f"warmup-{i}", ids[i], params(samples[i], len(ids[i]), cap=8))

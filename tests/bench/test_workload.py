@@ -86,3 +86,24 @@ def test_each_pass_has_its_own_prompts(tokenizer):
     first, again, second = workload(s, tokenizer), workload(s, tokenizer, 0), workload(s, tokenizer, 1)
     assert [x.text for x in first[0]] == [x.text for x in again[0]] and first[1] == again[1]
     assert not {x.text for x in first[0]} & {x.text for x in second[0]}  # no shared cache hits
+
+
+def test_json_schema_dataset_carries_its_schemas_to_both_drivers(tokenizer, llama_path):
+    """Random prompts as `random`, each request with a schema the HTTP body and the in-process
+    engine both apply."""
+    from flagserve.bench.client import Target
+    from flagserve.bench.datasets import BENCH_SCHEMAS
+    from flagserve.bench.inprocess import bench_engine
+    from flagserve.engine.engine_args import EngineArgs
+    from flagserve.engine.llm_engine import LLMEngine
+
+    samples = build_dataset("json-schema", tokenizer, 5, 12, 24)
+    assert [s.prompt for s in samples] == [s.prompt for s in random_dataset(tokenizer, 5, 12, 24)]
+    assert [s.schema for s in samples] == [*BENCH_SCHEMAS, BENCH_SCHEMAS[0]]
+    body = Target("http://x/v1", "m", endpoint="chat").body(samples[1])
+    assert body["response_format"]["json_schema"]["schema"] == BENCH_SCHEMAS[1]
+    engine = LLMEngine(EngineArgs(model=llama_path, dtype="float32"))
+    results, _ = bench_engine(engine, samples[:4], [0.0] * 4, progress=False)
+    assert all(r.success for r in results)
+    # An open array runs to max_tokens: the schemas cost ITL, not output length.
+    assert [r.output_len for r in results] == [24] * 4
