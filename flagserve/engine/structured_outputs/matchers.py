@@ -39,6 +39,8 @@ class StructuredOutputs:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
         self._held: dict[str, _Held] = {}  # request id -> its sequences, until the grammar is ready
         self.matchers: dict[int, _Matcher] = {}  # seq_id -> matcher
+        self._mask: torch.Tensor | None = None  # reused across steps: allocating costs per step
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher
 
     # Requests waiting for their grammar
 
@@ -100,10 +102,17 @@ class StructuredOutputs:
         if not rows:
             return None
         import xgrammar as xgr
-        mask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)  # all ones
-        for i, seq in rows:
-            self.sync(seq)
-            self.matchers[seq.seq_id].matcher.fill_next_token_bitmask(mask, i)
+        if self._mask is None or self._mask.shape[0] < len(seqs):
+            self._mask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+            self._batch = xgr.BatchGrammarMatcher()  # fills the rows on xgrammar's threads
+        mask = self._mask[:len(seqs)]
+        mask.fill_(-1)  # all ones: unconstrained rows allow everything
+        for _, seq in rows:
+            # advance() keeps the matchers up to date; replay only what it has not seen
+            if self.matchers[seq.seq_id].num_accepted != len(seq.output_token_ids):
+                self.sync(seq)
+        self._batch.batch_fill_next_token_bitmask(
+            [self.matchers[s.seq_id].matcher for _, s in rows], mask, [i for i, _ in rows])
         return mask
 
     def forget(self, seq: Sequence) -> None:
