@@ -7,7 +7,6 @@ from typing import Literal, get_args
 
 from flagserve.layers.rope import RopeConfig, RopeType
 from flagserve.models.architectures import HF_ARCHITECTURES
-from flagserve.models.gguf import gguf_config_fields
 
 # hf: a directory with config.json, *.safetensors and the tokenizer; gguf: one .gguf file.
 ModelFormat = Literal["hf", "gguf"]
@@ -91,6 +90,9 @@ def _eos_ids(model_dir: Path, cfg: dict) -> tuple[int, ...]:
 def load_model_config(model: str | Path) -> ModelConfig:
     """`model`: a local HF model directory or a .gguf file."""
     if model_format(model) == "gguf":
+        # Imported here: gguf and numpy cost ~90 ms, and every run.py action (stop and status
+        # included) imports this module while few of them read a model.
+        from flagserve.models.gguf import gguf_config_fields
         return ModelConfig(**gguf_config_fields(model))
     model_dir = Path(model)
     path = model_dir / "config.json"
