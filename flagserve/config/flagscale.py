@@ -16,7 +16,7 @@ from flagserve.config.errors import ConfigError
 # vLLM server/engine flags FlagScale configs carry that have no counterpart here: accepted
 # so such a YAML runs, and listed in a note.
 VLLM_IGNORED = frozenset({
-    "trust_remote_code", "enforce_eager", "uvicorn_log_level", "disable_log_requests",
+    "trust_remote_code", "uvicorn_log_level", "disable_log_requests",
     "disable_log_stats", "compilation_config", "distributed_executor_backend",
     "disable_custom_all_reduce", "load_format", "swap_space", "enable_log_requests",
 })

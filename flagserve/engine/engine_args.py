@@ -29,6 +29,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     attention_backend: AttentionBackend = "auto"
     seed: int = 0
+    # True: plain eager forward. False: CUDA graphs for decode on CUDA, the compiled decoder
+    # on CPU (vLLM's flag of the same name; FlagScale configs carry it).
+    enforce_eager: bool = False
     # Shards: TP x PP worker processes (Ray actors) instead of the model in this process.
     tensor_parallel_size: int = 1  # splits heads, MLP columns and vocabulary within a stage
     pipeline_parallel_size: int = 1  # splits the layers into consecutive stages
@@ -57,6 +60,8 @@ class EngineArgs:
               f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         check(self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space_gib",
               f"must be > 0, got {self.cpu_kv_cache_space_gib!r}")
+        check(isinstance(self.enforce_eager, bool), "enforce_eager",
+              f"must be true or false, got {self.enforce_eager!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
