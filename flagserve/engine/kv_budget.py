@@ -11,21 +11,38 @@ def batched_tokens(args: EngineArgs, max_model_len: int) -> int:
         DEFAULT_CHUNKED_BATCH_TOKENS if args.enable_chunked_prefill else max_model_len)
 
 
+GRAPH_POOL_OVERHEAD = 256 * 2**20  # cuBLAS workspace of the capture stream, split-K scratch
+
+
+def token_activation_bytes(cfg: ModelConfig) -> int:
+    """A generous bound on one token's activations through a layer (fp32 worst case)."""
+    width = cfg.hidden_size * 4 + cfg.intermediate_size * 3 + cfg.num_attention_heads * cfg.head_dim * 3
+    return width * 4
+
+
 def activation_bytes(args: EngineArgs, cfg: ModelConfig, max_model_len: int) -> int:
     """A generous bound on one step's activations (fp32 worst case) plus the sampler's logits."""
-    width = cfg.hidden_size * 4 + cfg.intermediate_size * 3 + cfg.num_attention_heads * cfg.head_dim * 3
     logits = args.max_num_seqs * cfg.vocab_size * 4 * 3
-    return batched_tokens(args, max_model_len) * width * 4 + logits
+    return batched_tokens(args, max_model_len) * token_activation_bytes(cfg) + logits
+
+
+def graph_pool_bytes(args: EngineArgs, cfg: ModelConfig) -> int:
+    """What the decode CUDA graphs keep (model_runner.py): their memory pool, which eager steps
+    cannot use, holds the activations of the largest padded batch (max_num_seqs rows)."""
+    if args.enforce_eager:
+        return 0
+    return args.max_num_seqs * token_activation_bytes(cfg) + GRAPH_POOL_OVERHEAD
 
 
 def kv_budget_bytes(args: EngineArgs, cfg: ModelConfig, max_model_len: int,
                     device_total: int | None, device_used: int) -> int:
     """Bytes left for the KV cache: gpu_memory_utilization of a GPU of device_total bytes minus
-    what is in use and the activations, or cpu_kv_cache_space_gib when device_total is None."""
+    what is in use, the activations and the CUDA graphs' pool (captured after the cache is
+    allocated, so reserved here), or cpu_kv_cache_space_gib when device_total is None."""
     if device_total is None:
         return int(args.cpu_kv_cache_space_gib * 2**30)
     return (int(device_total * args.gpu_memory_utilization) - device_used
-            - activation_bytes(args, cfg, max_model_len))
+            - activation_bytes(args, cfg, max_model_len) - graph_pool_bytes(args, cfg))
 
 
 def capacity_blocks(args: EngineArgs, max_model_len: int, budget: int, block_bytes: int) -> int:

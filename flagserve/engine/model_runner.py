@@ -6,21 +6,22 @@ ids, earlier ones send them on, and only the last stage's TP rank 0 samples.
 """
 import time
 from dataclasses import dataclass
+from typing import Literal
 
-import numpy as np
 import torch
 
 from flagserve.distributed.parallel_state import ParallelContext
 from flagserve.distributed.pipeline import recv_activations, send_activations
+from flagserve.engine.cpu_model import prepare_cpu_model
 from flagserve.engine.engine_args import Dtype, EngineArgs
-from flagserve.engine.kv_budget import capacity_blocks, kv_budget_bytes
+from flagserve.engine.input_buffers import PreparedBatch, StepBuffers, bucket_for, decode_buckets
+from flagserve.engine.kv_budget import batched_tokens, capacity_blocks, kv_budget_bytes
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.step_input import StepInput
-from flagserve.layers.attention_metadata import AttentionMetadata
 from flagserve.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from flagserve.models.config import ModelConfig, auto_dtype
 from flagserve.models.loader import load_model
-from kernels import get_ops
+from kernels import KernelOps, get_ops
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -35,12 +36,16 @@ def resolve_dtype(name: Dtype, cfg: ModelConfig, device: torch.device) -> torch.
     return DTYPES[auto_dtype(cfg, device.type == "cuda") if name == "auto" else name]
 
 
-@dataclass
-class PreparedBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+# How decode-only steps run. eager: at their exact size. padded: padded to a bucket
+# (input_buffers.py), forward run eagerly: CPU, and kernels that sync with the host (the torch
+# reference on CUDA). graph: padded, and a CUDA graph of that bucket replayed.
+DecodeMode = Literal["eager", "padded", "graph"]
+
+
+def decode_mode(enforce_eager: bool, device: torch.device, ops: KernelOps) -> DecodeMode:
+    if enforce_eager:
+        return "eager"
+    return "graph" if device.type == "cuda" and ops.name == "triton" else "padded"
 
 
 @dataclass
@@ -64,11 +69,18 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         self.ops = get_ops(args.attention_backend, self.device)
         self.model = load_model(args.model, cfg, self.ops, self.dtype, self.device, par)
+        prepare_cpu_model(self.model, self.device, self.dtype)  # oneDNN weights (issue 16)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.num_kv_blocks = 0  # set by allocate_kv_cache once every shard's capacity is known
         self.sampler = Sampler(args.seed, self.device) if par.samples else None
         self.seqs: dict[int, SeqSampling] = {}  # seq_id -> state, on the sampling shard only
         self.forward_seconds = 0.0  # model forward and LM head, for overhead accounting
+        # Set by allocate_kv_cache (CUDA graphs bind the cache's addresses).
+        self.buffers: StepBuffers | None = None
+        self.decode_mode: DecodeMode = "eager"
+        self.buckets: list[int] = []
+        self.stage_inputs: torch.Tensor | None = None  # [2, rows, hidden]: padded later-stage input
+        self.graphs = None  # cuda_graphs.DecodeGraphs in "graph" mode
 
     # KV cache: this shard's layers and KV heads only
 
@@ -92,44 +104,52 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.prepare_decode_paths(decode_mode(self.args.enforce_eager, self.device, self.ops))
+
+    @torch.inference_mode()
+    def prepare_decode_paths(self, mode: DecodeMode) -> None:
+        """Static step buffers, the buckets of the padded decode path, and in "graph" mode one
+        CUDA graph per bucket, every worker capturing its own."""
+        args, bs = self.args, self.block_size
+        max_tokens = batched_tokens(args, self.max_model_len)
+        self.buffers = StepBuffers(max_tokens, args.max_num_seqs, -(-self.max_model_len // bs), bs,
+                                   self.device)
+        self.decode_mode, self.graphs, self.stage_inputs = mode, None, None
+        self.buckets = [] if mode == "eager" else decode_buckets(min(args.max_num_seqs, max_tokens))
+        if self.buckets and not self.par.is_first_stage:
+            self.stage_inputs = torch.zeros(2, self.buckets[-1], self.cfg.hidden_size,
+                                            dtype=self.dtype, device=self.device)
+        if mode == "graph":
+            from flagserve.engine.cuda_graphs import DecodeGraphs  # CUDA only
+            self.graphs = DecodeGraphs(self._padded_forward, self.buckets)
+
+    def _padded_forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of a padded decode step of `rows` rows, on the static buffers as they are."""
+        batch = self.buffers.padded_batch(rows)
+        hidden = residual = None
+        if self.stage_inputs is not None:
+            hidden, residual = self.stage_inputs[0, :rows], self.stage_inputs[1, :rows]
+        return self.model(batch.input_ids, batch.positions, batch.meta, hidden, residual)
 
     # One step
 
     def prepare(self, step: StepInput) -> PreparedBatch:
-        bs = self.block_size
-        pos_parts: list[np.ndarray] = []
-        slot_parts: list[np.ndarray] = []
-        seq_lens: list[int] = []
-        cu_seqlens_q = [0]
-        ends = np.cumsum(step.num_new_tokens)
-        num_decodes = 0
-        for start, n, table in zip(step.start_positions, step.num_new_tokens, step.block_tables):
-            if n == 1:
-                num_decodes += 1
-                pos_parts.append(np.array([start]))
-                slot_parts.append(np.array([table[start // bs] * bs + start % bs]))
-            else:
-                pos = np.arange(start, start + n)
-                pos_parts.append(pos)
-                slot_parts.append(np.asarray(table)[pos // bs] * bs + pos % bs)
-                cu_seqlens_q.append(cu_seqlens_q[-1] + n)
-            seq_lens.append(start + n)
-        max_blocks = max(map(len, step.block_tables))
-        tables = [t + [0] * (max_blocks - len(t)) for t in step.block_tables]
-        dev = self.device
-        meta = AttentionMetadata(
-            num_decode_tokens=num_decodes,
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=dev),
-        )
-        return PreparedBatch(
-            input_ids=torch.tensor(step.token_ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
-            meta=meta,
-            logits_indices=torch.from_numpy(ends[step.sample_indices] - 1).to(dev),
-        )
+        pad_to = None
+        if self.buckets and step.num_tokens == len(step.seq_ids):  # decode-only
+            pad_to = bucket_for(step.num_tokens, self.buckets)
+        return self.buffers.fill(step, pad_to)
+
+    def run_model(self, batch: PreparedBatch, hidden: torch.Tensor | None,
+                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward over `batch` (padded rows included): a graph replay where one exists."""
+        if batch.padded and hidden is not None:  # a later stage: into the static inputs
+            n, rows = batch.num_tokens, batch.num_rows
+            self.stage_inputs[0, :n].copy_(hidden)
+            self.stage_inputs[1, :n].copy_(residual)
+            hidden, residual = self.stage_inputs[0, :rows], self.stage_inputs[1, :rows]
+        if batch.padded and self.graphs is not None:
+            return self.graphs.replay(batch.num_rows)
+        return self.model(batch.input_ids, batch.positions, batch.meta, hidden, residual)
 
     def track_sequences(self, step: StepInput) -> None:
         for seq_id in step.finished_seq_ids:
@@ -186,10 +206,10 @@ class ModelRunner:
         if not par.is_first_stage:
             hidden, residual = recv_activations(step.num_tokens, self.cfg.hidden_size, self.dtype,
                                                 self.device, par.prev_rank)
-        hidden, residual = self.model(prepared.input_ids, prepared.positions, prepared.meta,
-                                      hidden, residual)
+        hidden, residual = self.run_model(prepared, hidden, residual)
         if not par.is_last_stage:
-            send_activations(hidden, residual, par.next_rank)
+            n = step.num_tokens
+            send_activations(hidden[:n], residual[:n], par.next_rank)
             self.forward_seconds += time.perf_counter() - start
             return None
         if not step.sample_indices:

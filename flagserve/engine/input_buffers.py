@@ -1,0 +1,160 @@
+"""A step's model inputs in static buffers: allocated once, filled with numpy, copied once.
+
+CUDA graphs replay on fixed addresses, so token ids, positions, slot mapping, block tables,
+sequence lengths and logits rows live in buffers sized for the largest step, and a step uses
+a prefix of each. On CUDA numpy fills pinned host mirrors and each buffer gets one
+non_blocking copy; on CPU numpy writes the buffers themselves.
+
+A decode-only step may be padded to a bucket size (the sizes graphs are captured for):
+padded rows have token 0 at position 0, slot -1 (the KV store skips negative slots), a
+sequence length of 1 over block 0, and no logits row, so they touch nothing real.
+"""
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from flagserve.engine.step_input import StepInput
+from flagserve.layers.attention_metadata import AttentionMetadata
+
+SMALL_BUCKETS = (1, 2, 4, 8)
+BUCKET_STEP = 8  # past 8 rows: every multiple of 8, so padding wastes under 8 rows
+
+
+def decode_buckets(max_rows: int) -> list[int]:
+    """Padded decode batch sizes up to max_rows (max_rows itself always one of them)."""
+    sizes = {b for b in SMALL_BUCKETS if b < max_rows}
+    sizes.update(range(2 * BUCKET_STEP, max_rows, BUCKET_STEP))
+    return sorted(sizes | {max_rows})
+
+
+def bucket_for(rows: int, buckets: list[int]) -> int | None:
+    """The smallest bucket holding `rows`, None past the largest."""
+    return next((b for b in buckets if b >= rows), None)
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+    num_tokens: int  # the step's real tokens: rows past them are padding
+    padded: bool  # decode rows padded to a bucket (maybe by none): the graph-shaped path
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+
+# name -> (dtype, capacity key): "tokens" rows, "seqs" rows, "seqs+1", or "table" (seqs x width)
+FIELDS = {
+    "input_ids": (torch.long, "tokens"),
+    "positions": (torch.long, "tokens"),
+    "slot_mapping": (torch.long, "tokens"),
+    "logits_indices": (torch.long, "seqs"),
+    "seq_lens": (torch.int32, "seqs"),
+    "cu_seqlens_q": (torch.int32, "seqs+1"),
+    "block_tables": (torch.int32, "table"),  # flat: a step views its prefix as [rows, width]
+}
+
+
+class StepBuffers:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device):
+        self.block_size, self.max_blocks = block_size, max_blocks_per_seq
+        sizes = {"tokens": max_tokens, "seqs": max_seqs, "seqs+1": max_seqs + 1,
+                 "table": max_seqs * max_blocks_per_seq}
+        pinned = device.type == "cuda"
+        self.device_bufs: dict[str, torch.Tensor] = {}
+        self.host: dict[str, np.ndarray] = {}
+        for name, (dtype, key) in FIELDS.items():
+            buf = torch.zeros(sizes[key], dtype=dtype, device=device)
+            host = torch.zeros(sizes[key], dtype=dtype, pin_memory=True) if pinned else buf
+            self.device_bufs[name], self.host[name] = buf, host.numpy()
+        # Until a step writes them: what a padded row holds (a capture may read any row).
+        self.host["slot_mapping"][:] = -1
+        self.host["seq_lens"][:] = 1
+        # Set after each step's copies: the next fill must not overwrite pinned memory that a
+        # copy still reads (pipeline stages other than the last never wait for the GPU).
+        self.copied = torch.cuda.Event() if pinned else None
+        self._upload({name: len(host) for name, host in self.host.items()})
+
+    def fill(self, step: StepInput, pad_to: int | None = None) -> PreparedBatch:
+        """The step's inputs. pad_to: a decode-only step padded to that many rows, its block
+        tables at full width (a graph's shapes are fixed); else exact rows and width."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        num_new = np.asarray(step.num_new_tokens, dtype=np.int64)
+        n = len(num_new)
+        rows = pad_to or n  # sequences; padded steps are decode-only: one token per sequence
+        width = self.max_blocks if pad_to else max(map(len, step.block_tables))
+        tables = self._fill_tables(step.block_tables, rows, width)
+        self._fill_tokens(step, num_new, tables, pad_to or step.num_tokens)
+        self.host["seq_lens"][n:rows] = 1
+        num_decodes = pad_to or int(np.count_nonzero(num_new == 1))  # decodes come first
+        num_prefills = n - num_decodes if not pad_to else 0
+        cu = self.host["cu_seqlens_q"]
+        cu[0] = 0
+        cu[1:num_prefills + 1] = np.cumsum(num_new[n - num_prefills:])
+        k = len(step.sample_indices)
+        self.host["logits_indices"][:k] = np.cumsum(num_new)[step.sample_indices] - 1
+        used = self._used(pad_to or step.num_tokens, rows, width, num_prefills, k)
+        self._upload(used)
+        return self._batch(used, num_decodes, width, step.num_tokens, bool(pad_to))
+
+    def _fill_tables(self, tables: list[list[int]], rows: int, width: int) -> np.ndarray:
+        """[rows, width] block tables, zero past each sequence's blocks and in padded rows."""
+        out = self.host["block_tables"][:rows * width].reshape(rows, width)
+        lens = np.zeros(rows, dtype=np.int64)
+        lens[:len(tables)] = [len(t) for t in tables]
+        out[:] = 0
+        out[np.arange(width) < lens[:, None]] = np.fromiter(
+            chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+        return out
+
+    def _fill_tokens(self, step: StepInput, num_new: np.ndarray, tables: np.ndarray,
+                     rows: int) -> None:
+        h, bs, t = self.host, self.block_size, step.num_tokens
+        starts = np.asarray(step.start_positions, dtype=np.int64)
+        first_row = np.cumsum(num_new) - num_new
+        pos = np.arange(t) + np.repeat(starts - first_row, num_new)
+        seq = np.repeat(np.arange(len(num_new)), num_new)
+        h["input_ids"][:t] = step.token_ids
+        h["positions"][:t] = pos
+        h["slot_mapping"][:t] = tables[seq, pos // bs].astype(np.int64) * bs + pos % bs
+        h["input_ids"][t:rows] = 0
+        h["positions"][t:rows] = 0
+        h["slot_mapping"][t:rows] = -1
+        h["seq_lens"][:len(num_new)] = starts + num_new
+
+    @staticmethod
+    def _used(tokens: int, rows: int, width: int, num_prefills: int, logits: int) -> dict[str, int]:
+        """How much of each buffer a step uses (a prefix of each)."""
+        return {"input_ids": tokens, "positions": tokens, "slot_mapping": tokens,
+                "logits_indices": logits, "seq_lens": rows, "cu_seqlens_q": num_prefills + 1,
+                "block_tables": rows * width}
+
+    def _upload(self, used: dict[str, int]) -> None:
+        if self.copied is None:
+            return  # on CPU numpy wrote the buffers themselves
+        for name, count in used.items():
+            self.device_bufs[name][:count].copy_(torch.from_numpy(self.host[name][:count]),
+                                                 non_blocking=True)
+        self.copied.record()
+
+    def _batch(self, used: dict[str, int], num_decodes: int, width: int, num_tokens: int,
+               padded: bool) -> PreparedBatch:
+        views = {name: self.device_bufs[name][:count] for name, count in used.items()}
+        meta = AttentionMetadata(num_decode_tokens=num_decodes, slot_mapping=views["slot_mapping"],
+                                 seq_lens=views["seq_lens"],
+                                 block_tables=views["block_tables"].view(-1, width),
+                                 cu_seqlens_q=views["cu_seqlens_q"])
+        return PreparedBatch(views["input_ids"], views["positions"], meta, views["logits_indices"],
+                             num_tokens, padded)
+
+    def padded_batch(self, rows: int) -> PreparedBatch:
+        """The inputs of a padded decode step of `rows` rows as they stand (what a graph reads)."""
+        return self._batch(self._used(rows, rows, self.max_blocks, 0, 0), rows, self.max_blocks,
+                           rows, True)
