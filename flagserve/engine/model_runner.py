@@ -5,7 +5,6 @@ differs by its ParallelContext: later pipeline stages receive activations instea
 ids, earlier ones send them on, and only the last stage's TP rank 0 samples.
 """
 import time
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -16,7 +15,7 @@ from flagserve.engine.cpu_model import prepare_cpu_model
 from flagserve.engine.engine_args import Dtype, EngineArgs
 from flagserve.engine.input_buffers import PreparedBatch, StepBuffers, bucket_for, decode_buckets
 from flagserve.engine.kv_budget import batched_tokens, capacity_blocks, kv_budget_bytes
-from flagserve.engine.sampling_params import SamplingParams
+from flagserve.engine.sampling_inputs import SeqSampling, sampling_batch
 from flagserve.engine.step_input import StepInput
 from flagserve.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from flagserve.models.config import ModelConfig, auto_dtype
@@ -46,14 +45,6 @@ def decode_mode(enforce_eager: bool, device: torch.device, ops: KernelOps) -> De
     if enforce_eager:
         return "eager"
     return "graph" if device.type == "cuda" and ops.name == "triton" else "padded"
-
-
-@dataclass
-class SeqSampling:
-    """What the sampling shard keeps of a sequence between steps."""
-    params: SamplingParams
-    prompt_token_ids: list[int]  # empty unless penalties need them
-    generator: torch.Generator | None  # seeded requests: survives preemption, dies with the seq
 
 
 class ModelRunner:
@@ -163,36 +154,7 @@ class ModelRunner:
 
     def sampling_batch(self, step: StepInput) -> SamplingBatch:
         seqs = [self.seqs[step.seq_ids[i]] for i in step.sample_indices]
-        params = [s.params for s in seqs]
-        dev = self.device
-        vocab = self.cfg.vocab_size
-
-        def column(values: list, dtype=torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        batch = SamplingBatch(
-            temperatures=column([p.temperature for p in params]),
-            top_ks=column([p.top_k if p.top_k > 0 else vocab for p in params], torch.long)
-            if any(p.top_k > 0 for p in params) else None,
-            top_ps=column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
-            min_ps=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
-            all_greedy=all(p.greedy for p in params),
-            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
-        )
-        if step.output_token_ids is not None:
-            batch.repetition_penalties = column([p.repetition_penalty for p in params])
-            batch.presence_penalties = column([p.presence_penalty for p in params])
-            batch.frequency_penalties = column([p.frequency_penalty for p in params])
-            batch.output_token_ids = step.output_token_ids
-            batch.prompt_token_ids = [s.prompt_token_ids for s in seqs]
-        if any(n < p.min_tokens for n, p in zip(step.num_output_tokens, params)):
-            batch.banned_token_ids = [
-                (p.stop_token_ids + ([] if p.ignore_eos else list(self.eos_token_ids)))
-                if n < p.min_tokens else [] for n, p in zip(step.num_output_tokens, params)]
-        generators = {i: s.generator for i, s in enumerate(seqs) if s.generator is not None}
-        batch.generators = generators or None
-        batch.token_bitmask = step.token_bitmask
-        return batch
+        return sampling_batch(seqs, step, self.cfg.vocab_size, self.eos_token_ids, self.device)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput | None:

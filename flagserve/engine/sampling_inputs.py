@@ -1,0 +1,61 @@
+"""What the sampler gets each step: per-row parameters as one array, built without a loop
+per parameter (the sampling shard keeps each sequence's row from its first step on)."""
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from flagserve.engine.sampling_params import SamplingParams
+from flagserve.engine.step_input import StepInput
+from flagserve.layers.sampler import SamplingBatch
+
+# Columns of a sequence's row: all floats (top_k up to 2**24 is exact in fp32).
+TEMPERATURE, TOP_K, TOP_P, MIN_P, LOGPROBS, MIN_TOKENS = range(6)
+
+
+@dataclass
+class SeqSampling:
+    """What the sampling shard keeps of a sequence between steps."""
+    params: SamplingParams
+    prompt_token_ids: list[int]  # empty unless penalties need them
+    generator: torch.Generator | None  # seeded requests: survives preemption, dies with the seq
+    row: tuple[float, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.row = (p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p, p.min_p,
+                    -1 if p.logprobs is None else p.logprobs, p.min_tokens)
+
+
+def sampling_batch(seqs: list[SeqSampling], step: StepInput, vocab_size: int,
+                   eos_token_ids: tuple[int, ...], device: torch.device) -> SamplingBatch:
+    """The batch of the rows that sample this step (`seqs`, in step.sample_indices order)."""
+    rows = np.array([s.row for s in seqs], dtype=np.float32)
+    top_k_on = bool((rows[:, TOP_K] > 0).any())
+    rows[rows[:, TOP_K] == 0, TOP_K] = vocab_size
+    # One host-to-device copy for every per-row parameter.
+    cols = torch.from_numpy(rows[:, :MIN_P + 1]).to(device, non_blocking=True)
+    batch = SamplingBatch(
+        temperatures=cols[:, TEMPERATURE],
+        top_ks=cols[:, TOP_K].long() if top_k_on else None,
+        top_ps=cols[:, TOP_P] if (rows[:, TOP_P] < 1).any() else None,
+        min_ps=cols[:, MIN_P] if (rows[:, MIN_P] > 0).any() else None,
+        all_greedy=bool((rows[:, TEMPERATURE] == 0).all()),
+        max_num_logprobs=int(rows[:, LOGPROBS].max()),
+    )
+    params = [s.params for s in seqs]
+    if step.output_token_ids is not None:
+        penalties = torch.tensor([(p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+                                  for p in params], dtype=torch.float32).to(device)
+        batch.repetition_penalties, batch.presence_penalties, batch.frequency_penalties = penalties.T
+        batch.output_token_ids = step.output_token_ids
+        batch.prompt_token_ids = [s.prompt_token_ids for s in seqs]
+    below_min = np.asarray(step.num_output_tokens) < rows[:, MIN_TOKENS]
+    if below_min.any():
+        batch.banned_token_ids = [
+            (p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))) if ban else []
+            for ban, p in zip(below_min, params)]
+    generators = {i: s.generator for i, s in enumerate(seqs) if s.generator is not None}
+    batch.generators = generators or None
+    batch.token_bitmask = step.token_bitmask
+    return batch
