@@ -117,3 +117,22 @@ def test_schema_key_order_is_kept():
     # The grammar writes properties in the schema's order: the cache key must not sort them.
     assert StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {}}}).spec() \
         == '{"type": "object", "properties": {"b": {}, "a": {}}}'
+
+
+@pytest.mark.parametrize("vocab", [1000, 1536])
+def test_token_bitmask_matches_xgrammar(vocab):
+    # Our byte-table mask against xgrammar's own kernel, on a vocabulary that ends mid-word,
+    # with rows that allow nothing and everything, and logits already -inf (bans).
+    import torch
+    import xgrammar as xgr
+
+    from flagserve.layers.sampler import apply_token_bitmask
+    gen = torch.Generator().manual_seed(0)
+    mask = xgr.allocate_token_bitmask(4, vocab)
+    mask.copy_(torch.randint(-2**31, 2**31 - 1, mask.shape, generator=gen, dtype=torch.int32))
+    mask[1], mask[2] = 0, -1
+    logits = torch.randn(4, vocab, generator=gen)
+    logits[3, :7] = float("-inf")
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, mask)
+    assert torch.equal(apply_token_bitmask(logits, mask), expected)
