@@ -60,8 +60,12 @@ def triton_available() -> bool:
     return True
 
 
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "on", "yes")
+
+
 def interpreter_enabled() -> bool:
-    return os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+    return env_flag(INTERPRET_ENV)
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:

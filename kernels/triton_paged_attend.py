@@ -5,27 +5,37 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_kv(ptrs, n_mask, d, ROWS_MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    # Unmasked loads (whole tiles, unpadded head_dim) stay 16-byte vectorised and skip the
+    # predicate work; the d-mask only exists when head_dim is padded to BLOCK_D.
+    if ROWS_MASKED:
+        if HEAD_DIM != BLOCK_D:
+            return tl.load(ptrs, mask=n_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        return tl.load(ptrs, mask=n_mask[:, None], other=0.0)
+    if HEAD_DIM != BLOCK_D:
+        return tl.load(ptrs, mask=(d < HEAD_DIM)[None, :], other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
 def attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks, stride_vb,
                  stride_vs, d, lo, hi, qk_scale,
                  MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online-softmax accumulation of q's rows over cached positions [lo, hi) of one sequence.
 
-    MASK: "none" (every tile full: the caller aligned hi), "tail" (positions >= hi masked),
-    or "causal" (also position > q_pos masked, per row).
+    MASK: "none" (the caller guarantees whole tiles: hi - lo is a multiple of BLOCK_N and every
+    row sees every position, so neither scores nor K/V loads are masked), "tail" (positions >=
+    hi masked), or "causal" (also positions > q_pos masked, per row).
     """
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < hi
         block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        k_rows = block * stride_kb + (n % BLOCK_SIZE) * stride_ks
-        v_rows = block * stride_vb + (n % BLOCK_SIZE) * stride_vs
-        # Masking d only when head_dim is padded keeps the K/V loads vectorised.
-        if HEAD_DIM != BLOCK_D:
-            kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
-        else:
-            kv_mask = tl.broadcast_to(n_mask[:, None], (BLOCK_N, BLOCK_D))
-        k = tl.load(k_base + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        offset = (n % BLOCK_SIZE).to(tl.int64)
+        k_ptrs = k_base + (block * stride_kb + offset * stride_ks)[:, None] + d[None, :]
+        k = _load_kv(k_ptrs, n_mask, d, MASK != "none", HEAD_DIM, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASK == "causal":
             s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -35,7 +45,8 @@ def attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stri
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v_ptrs = v_base + (block * stride_vb + offset * stride_vs)[:, None] + d[None, :]
+        v = _load_kv(v_ptrs, n_mask, d, MASK != "none", HEAD_DIM, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i

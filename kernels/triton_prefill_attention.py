@@ -7,22 +7,34 @@ chunks (even single decode tokens in a mixed batch) still fill the rows. Tiles a
 across the batch with a device-side prefix sum; each program finds its sequence by counting
 prefix entries <= its id, so there is no device->host sync and no per-batch recompilation.
 
-The KV loop runs in two phases: positions every row of the tile may see (no causal mask),
-then the diagonal band up to the tile's last position, with the causal mask.
+Causal block skipping: the KV loop of a tile stops at its last token's position (the
+diagonal), and runs in two phases: whole BLOCK_N tiles every row of the tile sees, with no
+mask and unmasked loads, then the diagonal band with the causal mask.
+
+Tile shapes per head_dim: triton_attention_tuning.py (or triton.autotune on CUDA, opt-in).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels._triton_utils import LOG2E, dot_precision, last_dim_contiguous, next_pow2
+from kernels.triton_attention_tuning import (
+    autotune_enabled,
+    prefill_autotune_space,
+    prefill_tile,
+    token_bucket,
+)
 from kernels.triton_paged_attend import attend_paged
 
 
-@triton.jit(do_not_specialize=["batch"])  # the batch size changes every step
+# batch changes every step; tokens_bucket is only the autotune key (unused in the body).
+@triton.jit(do_not_specialize=["batch", "tokens_bucket"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
-                    seq_lens_ptr, cu_tiles_ptr, out_ptr, qk_scale, batch,
+                    seq_lens_ptr, cu_tiles_ptr, out_ptr, qk_scale, batch, tokens_bucket,  # noqa: ARG001
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_kb, stride_ks, stride_kh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_TOKENS: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -61,32 +73,28 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
-    v_base = v_cache_ptr + kv_head * stride_vh
+    v_base = v_cache_ptr + kv_head * stride_kh  # K and V caches share one layout
     first_pos = context + tile * TILE_TOKENS
     last_pos = tl.minimum(first_pos + TILE_TOKENS, seq_len) - 1
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # every row of the tile sees [0, full_end)
     acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks,
-                                 stride_vb, stride_vs, d, 0, full_end, qk_scale,
+                                 stride_kb, stride_ks, d, 0, full_end, qk_scale,
                                  "none", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
     acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks,
-                                 stride_vb, stride_vs, d, full_end, last_pos + 1, qk_scale,
+                                 stride_kb, stride_ks, d, full_end, last_pos + 1, qk_scale,
                                  "causal", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
-def _tile_config(group: int, block_d: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(TILE_TOKENS, BLOCK_M, BLOCK_N, num_warps, num_stages). Sized so that sm_90 compiles
-    without register spills (checked by tests/kernels/sm90_compile.py)."""
-    if dtype == torch.float32:  # IEEE FMA dots need far more registers than tensor cores
-        rows, block_n, num_warps = 32, 16, 8
-    elif block_d <= 128:
-        rows, block_n, num_warps = 128, 64, 8
-    else:
-        rows, block_n, num_warps = 64, 32, 8
-    tile_tokens = max(1, rows // group)
-    return tile_tokens, max(16, next_pow2(tile_tokens * group)), block_n, num_warps, 2
+@functools.cache
+def _autotuned_kernel(block_d: int):
+    """_prefill_kernel under triton.autotune over BLOCK_N / num_warps / num_stages (CUDA only;
+    results are cached per key for the process)."""
+    configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+               for n, w, s in prefill_autotune_space(block_d)]
+    return triton.autotune(configs, key=["HEAD_DIM", "GROUP", "tokens_bucket"])(_prefill_kernel)
 
 
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -97,26 +105,32 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     _, block_size, num_kv_heads, _ = k_cache.shape
     batch = seq_lens.shape[0]
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or batch == 0:
         return out
     q = last_dim_contiguous(q)
     group = num_q_heads // num_kv_heads
     block_d = next_pow2(head_dim)
-    tile_tokens, block_m, block_n, num_warps, num_stages = _tile_config(group, block_d, q.dtype)
+    tile = prefill_tile(block_d, q.dtype)
+    # Rows are (token, head of the group) pairs: a tile holds block_m // group tokens.
+    tile_tokens = max(1, tile.block_m // group)
     # Prefix sum of tiles per sequence, on the device (no sync).
     q_lens = (cu_seqlens_q[1:batch + 1] - cu_seqlens_q[:batch]).to(torch.int32)
     cu_tiles = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
     torch.cumsum((q_lens + tile_tokens - 1) // tile_tokens, dim=0, out=cu_tiles[1:])
     max_tiles = triton.cdiv(num_tokens, tile_tokens) + batch  # bounds sum(ceil(q_len / tile))
-    _prefill_kernel[(max_tiles, num_kv_heads)](
+    if autotune_enabled(q.device) and q.dtype != torch.float32:
+        kernel, launch = _autotuned_kernel(block_d), {}
+    else:
+        kernel = _prefill_kernel
+        launch = dict(BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    kernel[(max_tiles, num_kv_heads)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, cu_tiles, out,
-        scale * LOG2E, batch,
+        scale * LOG2E, batch, token_bucket(num_tokens),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, TILE_TOKENS=tile_tokens, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_B=64,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=max(16, next_pow2(tile_tokens * group)), BLOCK_D=block_d, BLOCK_B=64,
+        DOT_PRECISION=dot_precision(q.dtype), **launch)
     return out

@@ -1,5 +1,5 @@
 """Compile every Triton kernel for an H100 (sm_90) without a GPU, exactly as the wrappers
-launch it, and report registers / spills. Catches compile-only errors (the interpreter is
+launch it, and report registers / spills / shared memory. Catches compile-only errors (the interpreter is
 far more permissive than the compiler) on machines with no GPU.
 
 Run directly (`python tests/kernels/sm90_compile.py`) or through test_triton_sm90_compile.py.
@@ -30,6 +30,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
          torch.int32: "i32", torch.int64: "i64"}
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
+MAX_SHARED_BYTES = 232448  # an H100 block's limit (227 KB): more fails at launch, not compile
 # (Hq, Hkv, head_dim, block_size, dtype): Llama-3-8B, Qwen2.5-7B (group 7), Llama-2-7B-like
 # MHA at head_dim 64 / 80 (phi), Gemma-like head_dim 256, and fp32.
 ATTENTION_SHAPES = [(32, 8, 128, 16, torch.bfloat16), (32, 8, 128, 32, torch.float16),
@@ -65,7 +66,8 @@ def _compile(fn, args: tuple, kwargs: dict) -> str:
     usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
     line = next(line.strip() for line in usage.splitlines() if "REG:" in line)
-    return " ".join(part for part in line.split() if part.split(":")[0] in ("REG", "STACK"))
+    regs = " ".join(part for part in line.split() if part.split(":")[0] in ("REG", "STACK"))
+    return f"{regs} SMEM:{kernel.metadata.shared}"
 
 
 class _Capture:
@@ -90,22 +92,22 @@ def cases():
     """(label, thunk) pairs: realistic model shapes for each op, run on CPU tensors."""
     t = torch.empty
 
-    def attention(hq, hkv, d, bs, dtype, decode):
+    def attention(hq, hkv, d, bs, dtype, num_splits):
         k_cache = t(64, bs, hkv, d, dtype=dtype)
         tables = torch.ones(4, 8, dtype=torch.int32)
         lens = torch.full((4,), 100, dtype=torch.int32)
-        if decode:
+        if num_splits:  # decode: 1 is the single pass, more is split-K (+ merge)
             return lambda: paged_decode_attention_triton(t(4, hq, d, dtype=dtype), k_cache, k_cache,
-                                                         tables, lens, 0.1, num_splits=4)
+                                                         tables, lens, 0.1, num_splits=num_splits)
         cu = torch.tensor([0, 1, 2, 50, 99], dtype=torch.int32)
         return lambda: paged_prefill_attention_triton(t(99, hq, d, dtype=dtype), k_cache, k_cache,
                                                       tables, cu, lens, 0.1)
 
-    for decode in (True, False):
-        kind = "decode" if decode else "prefill"
+    for num_splits in (1, 4, 0):
+        kind = f"decode/{num_splits}" if num_splits else "prefill"
         for hq, hkv, d, bs, dtype in ATTENTION_SHAPES:
             label = f"{kind} Hq={hq} Hkv={hkv} D={d} bs={bs} {TYPES[dtype]}"
-            yield label, attention(hq, hkv, d, bs, dtype, decode)
+            yield label, attention(hq, hkv, d, bs, dtype, num_splits)
     bf16 = dict(dtype=torch.bfloat16)
     yield "store_kvcache Hkv=8 D=128 bf16", lambda: store_kvcache_triton(
         t(4, 8, 128, **bf16), t(4, 8, 128, **bf16), t(8, 16, 8, 128, **bf16),
@@ -122,15 +124,19 @@ def main() -> int:
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET"
     reports: list = []
     _patch_kernels(reports)
-    spills = 0
+    spills = too_big = 0
     for label, launch in cases():
         reports.clear()
         launch()
         for name, usage in reports:
             print(f"{label:45s} {name:24s} {usage}")
             spills += "STACK:0" not in usage.split()
+            smem = int(usage.split("SMEM:")[1])
+            too_big += smem > MAX_SHARED_BYTES
     print(f"{spills} kernel(s) spill registers" if spills else "no register spills")
-    return 1 if spills else 0
+    if too_big:
+        print(f"{too_big} kernel(s) need more than {MAX_SHARED_BYTES} bytes of shared memory")
+    return 1 if spills or too_big else 0
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""Paged decode attention (flash-decoding) against the torch reference."""
+"""Paged decode attention (single pass and split-K) against the torch reference."""
 import pytest
 import torch
 from kernel_cases import ATTN_TOL, DEVICE, DTYPES, clean, make_paged_cache
 
+from kernels._triton_utils import num_sms
 from kernels.decode_attention import paged_decode_attention_torch
-from kernels.triton_decode_attention import paged_decode_attention_triton
+from kernels.triton_decode_attention import choose_num_splits, paged_decode_attention_triton
 
 # From a single token to several hundred, on both sides of block and tile (64) boundaries.
 SEQ_LENS = [1, 2, 15, 16, 17, 33, 64, 65, 130, 300, 511]
@@ -12,9 +13,11 @@ NUM_KV_HEADS = 2
 
 
 def run_case(seq_lens, group, block_size, head_dim, dtype, num_splits=None, garbage=None,
-             seed=0):
+             seed=0, table_width=None):
     k_cache, v_cache, table = make_paged_cache(seq_lens, block_size, NUM_KV_HEADS, head_dim,
                                                dtype, garbage=garbage, seed=seed)
+    if table_width is not None:  # a CUDA-graph-style table, max_model_len wide
+        table = torch.nn.functional.pad(table, (0, table_width - table.shape[1]))
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(seq_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(DEVICE, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
@@ -33,7 +36,48 @@ def test_gqa_block_sizes(group, block_size, dtype):
     run_case(SEQ_LENS, group, block_size, 64, dtype)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 5], ids=["single-pass", "split-k"])
+def test_both_paths(num_splits, dtype):
+    run_case(SEQ_LENS, 4, 16, 64, dtype, num_splits=num_splits)
+
+
+def test_path_choice_from_host_shapes():
+    sms, cpu = num_sms(DEVICE), DEVICE
+    # Programs fill every SM: single pass however long the context.
+    assert choose_num_splits(sms, 1, 128, torch.float16, 32768, cpu) == 1
+    # Short context (one program reads <= 512 KiB of K/V): single pass even at batch 1.
+    assert choose_num_splits(1, 8, 128, torch.float16, 1024, cpu) == 1
+    # A small batch with a long context splits, fewer ways as the batch grows.
+    one, few = (choose_num_splits(b, 2, 128, torch.float16, 32768, cpu)
+                for b in (1, max(2, sms // 4)))
+    assert one > few > 1
+
+
+def test_wide_table_small_batch_takes_split_k():
+    # The block table's width, not seq_lens, decides: 2 x 2 programs over a 2048-token-wide
+    # table split even though the sequences themselves are short (no device sync needed).
+    assert choose_num_splits(2, NUM_KV_HEADS, 64, torch.float32, 128 * 16, DEVICE) > 1
+    run_case([3, 70], 4, 16, 64, torch.float32, table_width=128)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_padding_rows(num_splits):
+    # CUDA-graph padding rows: seq_len 1 on an all-zero table row matches the reference;
+    # seq_len 0 gives zeros (never NaN) on both paths.
+    k_cache, v_cache, table = make_paged_cache([40, 1], 16, NUM_KV_HEADS, 64, torch.float32)
+    table[1] = 0
+    q = torch.randn(3, NUM_KV_HEADS * 4, 64, device=DEVICE)
+    lens = torch.tensor([40, 1, 0], dtype=torch.int32, device=DEVICE)
+    table = torch.cat([table, torch.zeros_like(table[:1])])
+    out = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, 0.125,
+                                        num_splits=num_splits)
+    ref = paged_decode_attention_torch(q[:2], k_cache, v_cache, table[:2], lens[:2], 0.125)
+    torch.testing.assert_close(out[:2], ref, atol=5e-5, rtol=5e-5)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+@pytest.mark.parametrize("num_splits", [3, 16])
 def test_split_counts(num_splits):
     # 16 splits of a 130-token context leave most splits empty: the merge must skip them.
     run_case([1, 17, 130, 300], 4, 16, 64, torch.float32, num_splits=num_splits)
@@ -50,9 +94,11 @@ def test_odd_group_and_block_size():
     run_case([5, 24, 100], 7, 24, 64, torch.float32, num_splits=2)
 
 
-def test_never_reads_past_seq_len():
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_never_reads_past_seq_len(num_splits):
     # Unowned cache rows and padding block 0 are NaN: any read past seq_len poisons the output.
-    run_case([1, 16, 17, 70], 4, 16, 64, torch.float32, num_splits=3, garbage=float("nan"))
+    run_case([1, 16, 17, 70], 4, 16, 64, torch.float32, num_splits=num_splits,
+             garbage=float("nan"))
 
 
 def test_strided_query():

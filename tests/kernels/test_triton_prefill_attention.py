@@ -4,6 +4,7 @@ import torch
 from kernel_cases import ATTN_TOL, DEVICE, DTYPES, clean, make_paged_cache
 
 from kernels.prefill_attention import paged_prefill_attention_torch
+from kernels.triton_attention_tuning import AUTOTUNE_ENV, autotune_enabled
 from kernels.triton_prefill_attention import paged_prefill_attention_triton
 
 NUM_KV_HEADS = 2
@@ -44,6 +45,20 @@ def test_mixed_batch(group, block_size, dtype):
 @pytest.mark.parametrize("head_dim", [16, 80, 96, 128, 256])
 def test_head_dims(head_dim, dtype):
     run_case([(0, 20), (30, 9), (40, 1)], 4, 16, head_dim, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_extends_and_prefix_hits(dtype):
+    # Chunks after cached prefixes several key tiles long (the mask-free phase runs whole
+    # tiles, then the diagonal band), a prefix-cache hit on a block boundary, and a fresh
+    # prompt over two query tiles; NaN in every unowned cache row catches a read past seq_len.
+    run_case([(130, 70), (64, 64), (0, 129)], 2, 16, 64, dtype, garbage=float("nan"))
+
+
+def test_interpreter_never_autotunes(monkeypatch):
+    monkeypatch.setenv(AUTOTUNE_ENV, "1")
+    assert autotune_enabled(DEVICE) == (DEVICE.type == "cuda")  # conftest: interpreter off CUDA
+    run_case([(5, 9)], 2, 16, 32, torch.float16)  # CPU: the tile table; CUDA: autotuned
 
 
 def test_odd_group_and_block_size():

@@ -1,7 +1,8 @@
 """Every kernel, as its wrapper launches it for realistic model shapes, compiles for sm_90
-(H100) without register spills. Runs with no GPU: the interpreter used by the other tests is
-far more permissive than the compiler (e.g. about types and shapes), so this guards the
-CUDA path on CPU-only machines. On CUDA machines the real tests compile everything anyway."""
+(H100) without register spills and within a block's shared memory. Runs with no GPU: the
+interpreter used by the other tests is far more permissive than the compiler (e.g. about
+types and shapes), so this guards the CUDA path on CPU-only machines. On CUDA machines the
+real tests compile everything anyway."""
 import os
 import subprocess
 import sys

@@ -1,0 +1,76 @@
+"""Launch settings of the Triton attention kernels, in one place to retune on a GPU.
+
+None of these were measured on a GPU when written: they follow the register and shared-memory
+budgets of an H100 (sm_90: 64K 32-bit registers and 228 KB shared memory per SM, at most 255
+registers per thread), the way FlashAttention-style Triton kernels size their tiles. Every
+entry compiles for sm_90 without register spills (tests/kernels/sm90_compile.py checks).
+benchmarks/attention.py prints both decode paths and prefill per head_dim against SDPA, which
+is what a retune needs; FLAGSERVE_TRITON_AUTOTUNE=1 lets triton.autotune pick prefill tiles
+on CUDA instead (keyed on head_dim, GQA group, dtype and a token-count bucket).
+"""
+from dataclasses import dataclass
+
+import torch
+
+from kernels.backend import env_flag, interpreter_enabled
+
+AUTOTUNE_ENV = "FLAGSERVE_TRITON_AUTOTUNE"
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int  # query rows per program (prefill); decode pads its GQA group to 16 rows
+    block_n: int  # cached positions per inner-loop step
+    num_warps: int
+    num_stages: int  # K/V tiles in flight (software pipelining through shared memory)
+
+
+# Decode is bandwidth-bound with only 16 (padded) query rows: registers and shared memory go
+# to K/V tiles. 64 x 128 16-bit tiles with 2 stages (K+V: 64 KB) leave room for 3 programs
+# per SM, the setting that measured 88-91% of HBM peak at large batch x context. head_dim 64
+# has half the bytes per stage, so a third stage keeps the bytes in flight (and avoids a
+# ptxas spill its 2-stage single pass shows); 256 halves BLOCK_N to keep the footprint.
+DECODE_TILES = {64: Tile(16, 64, 4, 3), 128: Tile(16, 64, 4, 2), 256: Tile(16, 32, 4, 2)}
+DECODE_TILE_FP32 = Tile(16, 16, 4, 2)  # IEEE FMA dots: registers, not bandwidth, bind
+
+# Prefill is compute-bound: BLOCK_M x head_dim of fp32 accumulator, the q tile and the
+# BLOCK_M x BLOCK_N scores live in registers through the KV loop, so rows x head_dim sets the
+# warps. 128 rows (two m64 MMAs per warpgroup) over 8 warps: head_dim 128 keeps the
+# accumulator at 64 registers per thread (~195 in all); head_dim 64 at 4 warps would compile
+# to 249 of the 255 registers a thread may have (one change from spilling), so it keeps 8
+# warps too (~125) and more programs per SM. 3 stages of 64-key K/V tiles: 48 KB (head_dim
+# 64) and 96 KB (128) of shared memory, deep enough to hide the paged gather's latency.
+# head_dim 256: 64 rows x 256 over 8 warps, 32-key tiles, 2 stages (64 KB).
+PREFILL_TILES = {64: Tile(128, 64, 8, 3), 128: Tile(128, 64, 8, 3), 256: Tile(64, 32, 8, 2)}
+PREFILL_TILE_FP32 = Tile(32, 16, 8, 2)  # IEEE FMA dots need far more registers
+
+
+def _head_dim_class(block_d: int) -> int:
+    """Table key of a (power-of-two padded) head_dim: <= 64, <= 128, larger."""
+    return 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+
+
+def decode_tile(block_d: int, dtype: torch.dtype) -> Tile:
+    return DECODE_TILE_FP32 if dtype == torch.float32 else DECODE_TILES[_head_dim_class(block_d)]
+
+
+def prefill_tile(block_d: int, dtype: torch.dtype) -> Tile:
+    return PREFILL_TILE_FP32 if dtype == torch.float32 else PREFILL_TILES[_head_dim_class(block_d)]
+
+
+def autotune_enabled(device: torch.device) -> bool:
+    """Only compiled CUDA kernels autotune: the interpreter would time numpy."""
+    return device.type == "cuda" and not interpreter_enabled() and env_flag(AUTOTUNE_ENV)
+
+
+def prefill_autotune_space(block_d: int) -> list[tuple[int, int, int]]:
+    """(BLOCK_N, num_warps, num_stages) candidates around the table entry. BLOCK_M is not
+    tuned: it fixes the query tiling the host builds its prefix sums from."""
+    block_ns = (32, 64) if block_d > 128 else (32, 64, 128)
+    return [(n, w, s) for n in block_ns for w in (4, 8) for s in (2, 3, 4)
+            if not (n == 128 and s == 4)]  # 4 x 2 x 128 x 128 x 2 B > 228 KB of shared memory
+
+
+def token_bucket(num_tokens: int) -> int:
+    """Autotune key for the batch's size: powers of two from 256 to 16384 tokens."""
+    return min(16384, max(256, 1 << max(0, num_tokens - 1).bit_length()))
