@@ -194,10 +194,10 @@ class LLMEngine:
     def _process_samples(self, seqs: list[Sequence], out: SamplerOutput) -> list[str]:
         now = time.time()
         touched: dict[str, None] = {}
-        for row, seq in enumerate(seqs):
-            token = out.token_ids[row]
+        for seq, token in zip(seqs, out.token_ids):
             seq.token_ids.append(token)
-            grammar = self.structured.advance(seq)
+        grammars = self.structured.advance_all(seqs)
+        for row, (seq, token, grammar) in enumerate(zip(seqs, out.token_ids, grammars)):
             if seq.params.logprobs is not None:
                 self._record_logprobs(seq, row, out)
             state = self.requests[seq.request_id]

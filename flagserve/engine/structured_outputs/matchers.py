@@ -91,9 +91,28 @@ class StructuredOutputs:
             m.num_accepted += 1
         return "terminated" if m.matcher.is_terminated() else "ok"
 
-    def advance(self, seq: Sequence) -> Advance | None:
-        """After a token was appended: None for an unconstrained sequence."""
-        return self.sync(seq) if seq.seq_id in self.matchers else None
+    def advance_all(self, seqs: list[Sequence]) -> list[Advance | None]:
+        """After each sequence got its new token: where its grammar stands (None when
+        unconstrained). Matchers one token behind, the usual case, accept in one call."""
+        results: list[Advance | None] = [None] * len(seqs)
+        rows, behind = [], []
+        for i, seq in enumerate(seqs):
+            m = self.matchers.get(seq.seq_id)
+            if m is None:
+                continue
+            if m.num_accepted == seq.num_output_tokens - 1:
+                rows.append(i)
+                behind.append(m)
+            else:
+                results[i] = self.sync(seq)
+        if rows:
+            import xgrammar as xgr
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token(
+                [m.matcher for m in behind], [seqs[i].token_ids[-1] for i in rows])
+            for i, m, ok in zip(rows, behind, accepted):
+                m.num_accepted += ok
+                results[i] = ("terminated" if m.matcher.is_terminated() else "ok") if ok else "rejected"
+        return results
 
     def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """[len(seqs), ceil(vocab / 32)] int32 allowed-token bits for the rows that sample,
@@ -108,8 +127,8 @@ class StructuredOutputs:
         mask = self._mask[:len(seqs)]
         mask.fill_(-1)  # all ones: unconstrained rows allow everything
         for _, seq in rows:
-            # advance() keeps the matchers up to date; replay only what it has not seen
-            if self.matchers[seq.seq_id].num_accepted != len(seq.output_token_ids):
+            # advance_all() keeps the matchers up to date; replay only what it has not seen
+            if self.matchers[seq.seq_id].num_accepted != seq.num_output_tokens:
                 self.sync(seq)
         self._batch.batch_fill_next_token_bitmask(
             [self.matchers[s.seq_id].matcher for _, s in rows], mask, [i for i, _ in rows])
