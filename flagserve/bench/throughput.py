@@ -3,12 +3,16 @@
 The workload follows nano-vllm's bench: N requests with random prompt lengths and random
 max_tokens each, ignore_eos, on a random-weight model of a chosen size. HF runs as a user
 would batch it: left-padded batches, max_new_tokens = the batch's largest request, and only the
-tokens each request asked for count as output. Prints output tokens/s of each, the ratio, and
-the share of engine step time spent outside the model forward.
+tokens each request asked for count as output. Prints output tokens/s of each, the ratio,
+the share of engine step time spent outside the model forward, and the roofline ratio: the
+run's bandwidth floor (weights read once per step, each decoded token reading its context's
+K/V) over its measured time.
 
     python benchmarks/throughput.py                     # CPU defaults, about a minute
-    python benchmarks/throughput.py --num-seqs 256 --input-len 100 1024 --output-len 100 1024 \
-        --hidden-size 1024 --layers 16 --dtype bfloat16  # a GPU-sized run
+    python benchmarks/throughput.py --shape qwen3-0.6b --num-seqs 256 --input-len 100 1024 \
+        --output-len 100 1024 --dtype bfloat16           # nano-vllm's workload, random weights
+    python benchmarks/throughput.py --shape llama3-8b --latency --input-len 128 128 \
+        --output-len 256 256 --dtype bfloat16            # batch-1 ms per token
 """
 import argparse
 import json
@@ -16,10 +20,22 @@ import random
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
+from flagserve.bench.throughput_latency import decode_latency
+from flagserve.bench.throughput_roofline import (
+    floor_seconds,
+    kv_bytes,
+    kv_bytes_per_token,
+    measure_bandwidth_gbs,
+    weight_bytes,
+)
+from flagserve.bench.throughput_shapes import Shape, write_shape
 from flagserve.models.config import load_model_config, transformers_location
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -111,12 +127,18 @@ def compare(model: str, work: Workload, dtype: str = "float32", max_num_seqs: in
     return result
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model",
-                        help="a local HF model directory or .gguf file "
-                             "(default: a random model of the size below)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model",
+                       help="a local HF model directory or .gguf file "
+                            "(default: a random model of the size below)")
+    model.add_argument("--shape", choices=get_args(Shape),
+                       help="a real model's shape with random weights drawn on the device "
+                            "(no checkpoint; implies --skip-hf)")
+    parser.add_argument("--num-layers", type=int,
+                        help="with --shape: this many layers instead of the shape's own")
     parser.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -126,51 +148,133 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    parser.add_argument("--latency", action="store_true",
+                        help="batch-1 decode instead: one prompt of --input-len MIN tokens, "
+                             "--output-len MAX tokens, ms per token")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: the model's; with --shape, the longest request")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--bandwidth-gbs", type=float,
+                        help="memory bandwidth of the roofline (default: measured by a device copy)")
     parser.add_argument("--hf-batch-size", type=int, default=0,
                         help="HF batch size (0: all requests at once)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    return parser
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.num_layers is not None and (args.shape is None or args.num_layers < 1):
+        parser.error("--num-layers takes a positive count and needs --shape")
+    for name in ("input_len", "output_len"):
+        low, high = getattr(args, name)
+        if not 1 <= low <= high:
+            parser.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {low} {high}")
+    if args.shape:
+        args.skip_hf = True  # random weights: HF has nothing to load
+        args.max_model_len = args.max_model_len or args.input_len[1] + args.output_len[1]
+    return args
+
+
+def prepare_model(args: argparse.Namespace, tmp: str) -> tuple[str, dict]:
+    """(model path, the engine args it needs) for --model, --shape or the random tiny model."""
+    extra = {"enforce_eager": args.enforce_eager, "max_model_len": args.max_model_len}
+    if args.shape:
+        return write_shape(args.shape, tmp, args.num_layers), {**extra, "load_format": "dummy"}
+    if args.model:
+        return args.model, extra
+    from flagserve.models.tiny import make_tiny_model
+    head_dim = args.hidden_size // args.heads
+    model = make_tiny_model(tmp, arch=args.arch, seed=args.seed, hidden_size=args.hidden_size,
+                            num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                            num_key_value_heads=args.kv_heads, head_dim=head_dim,
+                            intermediate_size=args.intermediate_size, max_position_embeddings=4096)
+    return str(model), extra
+
+
+def roofline(args: argparse.Namespace, cfg, work: Workload, steps: int, seconds: float) -> dict:
+    """The run's bandwidth floor (throughput_roofline.py) and the share of it achieved."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elem = DTYPE_BYTES[args.dtype]
+    bandwidth = args.bandwidth_gbs or measure_bandwidth_gbs(device)
+    weights = weight_bytes(cfg, elem)
+    kv = kv_bytes([len(p) for p in work.prompts], work.max_tokens, kv_bytes_per_token(cfg, elem))
+    floor = floor_seconds(steps, weights, kv, bandwidth)
+    return {"bandwidth_gbs": bandwidth, "weight_bytes": weights, "kv_bytes": kv,
+            "floor_seconds": floor, "roofline_ratio": floor / seconds}
+
+
+def run_latency(model: str, args: argparse.Namespace, cfg, extra: dict) -> dict:
+    from flagserve import LLM
+
+    llm = LLM(model, dtype=args.dtype, attention_backend=args.backend, max_num_seqs=1, **extra)
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(3, cfg.vocab_size) for _ in range(args.input_len[0])]
+    decode_latency(llm, prompt, 4)  # warm-up
+    per_step, steps = decode_latency(llm, prompt, args.output_len[1])
+    work = Workload([prompt], [steps + 1])
+    return {"ms_per_token": per_step * 1e3, "decode_steps": steps,
+            **roofline(args, cfg, work, steps, per_step * steps)}
+
+
+def run_throughput(model: str, args: argparse.Namespace, cfg, extra: dict) -> dict:
+    work = make_workload(args.num_seqs, tuple(args.input_len), tuple(args.output_len),
+                         cfg.vocab_size, args.seed)
+    fs_time, fs_stats = run_flagserve(model, work, args, **extra)
+    result = {"output_tokens": work.output_tokens, "flagserve_seconds": fs_time,
+              "flagserve_output_tps": work.output_tokens / fs_time, **fs_stats,
+              **roofline(args, cfg, work, fs_stats["steps"], fs_time)}
+    if not args.skip_hf:
+        hf_time = run_hf(model, work, args)
+        result.update(hf_seconds=hf_time, hf_output_tps=work.output_tokens / hf_time,
+                      ratio=hf_time / fs_time)
+    return result
+
+
+def report(args: argparse.Namespace, result: dict) -> None:
+    a = args
+    if a.latency:
+        print(f"batch-1 decode: prompt {a.input_len[0]} tokens, {result['decode_steps']} decode "
+              f"steps, {a.dtype}, {result['device']}")
+        print(f"FlagServe          {result['ms_per_token']:8.3f} ms per token")
+    else:
+        print(f"workload: {a.num_seqs} requests, prompts {a.input_len[0]}-{a.input_len[1]} tokens, "
+              f"outputs {a.output_len[0]}-{a.output_len[1]} tokens ({result['output_tokens']} in "
+              f"all), {a.dtype}, {result['device']}")
+        print(f"FlagServe          {result['flagserve_seconds']:8.2f} s  "
+              f"{result['flagserve_output_tps']:9.1f} output tok/s  ({result['steps']} steps, "
+              f"{result['outside_forward_share']:.1%} of step time outside the model forward)")
+        if "hf_seconds" in result:
+            print(f"HF generate        {result['hf_seconds']:8.2f} s  "
+                  f"{result['hf_output_tps']:9.1f} output tok/s")
+            print(f"ratio              {result['ratio']:8.2f} x")
+    print(f"roofline           {result['roofline_ratio']:8.1%} of the bandwidth floor "
+          f"({result['floor_seconds']:.3g} s: {result['weight_bytes'] / 1e9:.3g} GB of weights per "
+          f"step + {result['kv_bytes'] / 1e9:.3g} GB of KV at {result['bandwidth_gbs']:.0f} GB/s)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            from flagserve.models.tiny import make_tiny_model
-            head_dim = args.hidden_size // args.heads
-            model = str(make_tiny_model(tmp, arch=args.arch, seed=args.seed, hidden_size=args.hidden_size,
-                                        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                        num_key_value_heads=args.kv_heads, head_dim=head_dim,
-                                        intermediate_size=args.intermediate_size,
-                                        max_position_embeddings=4096))
-        vocab = load_model_config(model).vocab_size
-        work = make_workload(args.num_seqs, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
-        fs_time, fs_stats = run_flagserve(model, work, args)
-        hf_time = None if args.skip_hf else run_hf(model, work, args)
-
-    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
-              else f"CPU x{torch.get_num_threads()} threads")
-    fs_tps = work.output_tokens / fs_time
-    print(f"workload: {args.num_seqs} requests, prompts {args.input_len[0]}-{args.input_len[1]} tokens, "
-          f"outputs {args.output_len[0]}-{args.output_len[1]} tokens ({work.output_tokens} in all), "
-          f"{args.dtype}, {device}")
-    print(f"FlagServe          {fs_time:8.2f} s  {fs_tps:9.1f} output tok/s  "
-          f"({fs_stats['steps']} steps, {fs_stats['outside_forward_share']:.1%} of step time "
-          "outside the model forward)")
-    result = {"args": vars(args), "device": device, "output_tokens": work.output_tokens,
-              "flagserve_seconds": fs_time, "flagserve_output_tps": fs_tps, **fs_stats}
-    if hf_time is not None:
-        hf_tps = work.output_tokens / hf_time
-        print(f"HF generate        {hf_time:8.2f} s  {hf_tps:9.1f} output tok/s")
-        print(f"ratio              {fs_tps / hf_tps:8.2f} x")
-        result.update(hf_seconds=hf_time, hf_output_tps=hf_tps, ratio=fs_tps / hf_tps)
+        model, extra = prepare_model(args, tmp)
+        cfg = load_model_config(model)
+        run = run_latency if args.latency else run_throughput
+        result = run(model, args, cfg, extra)
+    result["device"] = (torch.cuda.get_device_name() if torch.cuda.is_available()
+                        else f"CPU x{torch.get_num_threads()} threads")
+    report(args, result)
+    result = {"args": vars(args), **result}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    return result
 
 
 if __name__ == "__main__":

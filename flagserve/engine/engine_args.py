@@ -10,6 +10,9 @@ if TYPE_CHECKING:
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]  # auto: models/config.py auto_dtype
 # The kernels (kernels/backend.py): torch reference, our Triton kernels, or auto (Triton on CUDA)
 AttentionBackend = Literal["auto", "torch", "triton"]
+# vLLM's load_format: "auto" reads the checkpoint; "dummy" draws random weights on the device
+# from the model's config alone (benchmarks of a shape without its checkpoint).
+LoadFormat = Literal["auto", "dummy"]
 
 
 @dataclass
@@ -28,6 +31,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: AttentionBackend = "auto"
+    load_format: LoadFormat = "auto"
     seed: int = 0
     # True: plain eager forward. False: CUDA graphs for decode on CUDA, the compiled decoder
     # on CPU (vLLM's flag of the same name; FlagScale configs carry it).
@@ -44,7 +48,8 @@ class EngineArgs:
 
         check(isinstance(self.model, str) and bool(self.model), "model",
               "must be a model directory or .gguf file path")
-        for name, mode in (("dtype", Dtype), ("attention_backend", AttentionBackend)):
+        for name, mode in (("dtype", Dtype), ("attention_backend", AttentionBackend),
+                           ("load_format", LoadFormat)):
             value = getattr(self, name)
             check(value in get_args(mode), name, f"must be one of {get_args(mode)}, got {value!r}")
         check(isinstance(self.block_size, int) and self.block_size > 0

@@ -64,10 +64,21 @@ def checkpoint_weights(model: str | Path, keep: Callable[[str], bool]
     return iterate_weights(Path(model), keep)
 
 
+def init_random_weights_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights drawn on the model's device (vLLM's load_format="dummy"): every matrix
+    N(0, 0.02), norm gains and biases as built (1 and 0). For benchmarks: no file to read."""
+    for p in model.parameters():
+        if p.dim() >= 2:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+            p.normal_(0.0, 0.02, generator=gen)
+            seed += 1
+
+
 def load_model(model: str | Path, cfg: ModelConfig, ops: KernelOps, dtype: torch.dtype,
-               device: torch.device, par: ParallelContext = ParallelContext()) -> DecoderForCausalLM:
+               device: torch.device, par: ParallelContext = ParallelContext(),
+               random_weights: bool = False) -> DecoderForCausalLM:
     """This shard's part of the model (all of it with TP = PP = 1), its weights only.
-    `model`: an HF model directory or a .gguf file."""
+    `model`: an HF model directory or a .gguf file (only its config with random_weights)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -75,5 +86,8 @@ def load_model(model: str | Path, cfg: ModelConfig, ops: KernelOps, dtype: torch
             decoder = DecoderForCausalLM(cfg, ops, par)  # serves every architecture in architectures.py
     finally:
         torch.set_default_dtype(default_dtype)
-    decoder.load_weights(checkpoint_weights(model, decoder.owns_weight))
+    if random_weights:
+        init_random_weights_(decoder)
+    else:
+        decoder.load_weights(checkpoint_weights(model, decoder.owns_weight))
     return decoder.eval()

@@ -1,0 +1,73 @@
+"""benchmarks/throughput.py: argument handling, the shape presets with random weights, the
+batch-1 latency mode and the roofline arithmetic, on CPU with one layer of Qwen3-0.6B's shape."""
+import json
+
+import pytest
+import torch
+
+from flagserve.bench.throughput import main, parse_args
+from flagserve.bench.throughput_roofline import kv_bytes, kv_bytes_per_token, weight_bytes
+from flagserve.bench.throughput_shapes import PRESETS, write_shape
+from flagserve.models.config import load_model_config
+
+QUICK = ["--shape", "qwen3-0.6b", "--num-layers", "1", "--bandwidth-gbs", "10"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--shape", "gpt5"], "invalid choice"),
+    (["--shape", "qwen3-0.6b", "--model", "x"], "not allowed with"),
+    (["--num-layers", "2"], "needs --shape"),
+    (["--shape", "llama3-8b", "--num-layers", "0"], "positive"),
+    (["--input-len", "9", "3"], "MIN <= MAX"),
+])
+def test_bad_arguments(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_shape_defaults():
+    args = parse_args(["--shape", "llama3-8b", "--input-len", "10", "20", "--output-len", "5", "7"])
+    assert args.skip_hf and args.max_model_len == 27 and args.num_layers is None
+
+
+def test_preset_configs_are_the_real_shapes(tmp_path):
+    cfg = load_model_config(write_shape("qwen3-0.6b", tmp_path / "q"))
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.head_dim, cfg.qk_norm) == (
+        "Qwen3ForCausalLM", 28, 128, True)
+    # 0.6B parameters in bf16 (the tied head counted once), 112 KiB of KV per token.
+    assert weight_bytes(cfg, 2) == pytest.approx(2 * 0.596e9, rel=0.01)
+    assert kv_bytes_per_token(cfg, 2) == 28 * 2 * 8 * 128 * 2
+    llama = load_model_config(write_shape("llama3-8b", tmp_path / "l", num_layers=2))
+    assert llama.num_hidden_layers == 2 and not llama.tie_word_embeddings
+    assert set(PRESETS) == {"qwen3-0.6b", "llama3-8b"}
+
+
+def test_kv_bytes_counts_each_decoded_tokens_context():
+    # Prompt 3, 3 outputs: prefill reads 3; outputs 1 and 2 read 4 and 5 tokens of context.
+    assert kv_bytes([3], [3], per_token=10) == (3 + 4 + 5) * 10
+    assert kv_bytes([3, 2], [1, 2], per_token=1) == 3 + (2 + 3)
+
+
+def test_throughput_run_on_random_weights(tmp_path):
+    out = tmp_path / "r.json"
+    result = main(QUICK + ["--num-seqs", "3", "--input-len", "4", "9", "--output-len", "2", "5",
+                           "--max-num-seqs", "2", "--json", str(out)])
+    assert json.loads(out.read_text())["flagserve_output_tps"] == result["flagserve_output_tps"] > 0
+    assert "hf_seconds" not in result  # random weights: no HF comparison
+    expected_floor = (result["steps"] * result["weight_bytes"] + result["kv_bytes"]) / 10e9
+    assert result["floor_seconds"] == pytest.approx(expected_floor)
+    assert result["roofline_ratio"] == pytest.approx(expected_floor / result["flagserve_seconds"])
+
+
+def test_latency_mode(capsys):
+    result = main(QUICK + ["--latency", "--input-len", "5", "5", "--output-len", "4", "4"])
+    assert result["decode_steps"] == 3 and result["ms_per_token"] > 0  # token 0 is the prefill's
+    assert "ms per token" in capsys.readouterr().out
+    assert result["args"]["max_model_len"] == 9 and torch.get_num_threads() >= 1
+
+
+def test_load_format_is_checked():
+    from flagserve import EngineArgs
+    with pytest.raises(ValueError, match="EngineArgs.load_format must be one of"):
+        EngineArgs(model="m", load_format="random")
