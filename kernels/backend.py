@@ -18,10 +18,9 @@ import torch
 
 from kernels.activation import silu_and_mul_torch
 from kernels.decode_attention import paged_decode_attention_torch
-from kernels.kv_store import store_kvcache_torch
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.rms_norm import fused_add_rms_norm_torch, rms_norm_torch
-from kernels.rotary import rotary_embedding_torch
+from kernels.rotary_store import rotary_store_kvcache_torch
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "FLAGSERVE_KERNEL_BACKEND"
@@ -31,23 +30,21 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 @dataclass(frozen=True)
 class KernelOps:
     name: str
-    store_kvcache: Callable
+    rotary_store_kvcache: Callable  # (q/k norm +) rotary + KV-cache store, fused
     paged_decode_attention: Callable
     paged_prefill_attention: Callable
     rms_norm: Callable
     fused_add_rms_norm: Callable
-    rotary_embedding: Callable
     silu_and_mul: Callable
 
 
 TORCH_OPS = KernelOps(
     name="torch",
-    store_kvcache=store_kvcache_torch,
+    rotary_store_kvcache=rotary_store_kvcache_torch,
     paged_decode_attention=paged_decode_attention_torch,
     paged_prefill_attention=paged_prefill_attention_torch,
     rms_norm=rms_norm_torch,
     fused_add_rms_norm=fused_add_rms_norm_torch,
-    rotary_embedding=rotary_embedding_torch,
     silu_and_mul=silu_and_mul_torch,
 )
 

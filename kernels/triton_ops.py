@@ -2,19 +2,17 @@
 from kernels.backend import KernelOps
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_decode_attention import paged_decode_attention_triton
-from kernels.triton_kv_store import store_kvcache_triton
 from kernels.triton_prefill_attention import paged_prefill_attention_triton
 from kernels.triton_rms_norm import fused_add_rms_norm_triton, rms_norm_triton
-from kernels.triton_rotary import rotary_embedding_triton
+from kernels.triton_rotary_store import rotary_store_kvcache_triton
 
 TRITON_OPS = KernelOps(
     name="triton",
-    store_kvcache=store_kvcache_triton,
+    rotary_store_kvcache=rotary_store_kvcache_triton,
     paged_decode_attention=paged_decode_attention_triton,
     paged_prefill_attention=paged_prefill_attention_triton,
     rms_norm=rms_norm_triton,
     fused_add_rms_norm=fused_add_rms_norm_triton,
-    rotary_embedding=rotary_embedding_triton,
     silu_and_mul=silu_and_mul_triton,
 )
 

@@ -1,8 +1,11 @@
-"""Paged attention: store this step's K/V, then attend decodes and prefill chunks separately."""
+"""Paged attention: rotate and store this step's K/V (one fused op), then attend decodes and
+prefill chunks separately."""
 import torch
 from torch import nn
 
 from flagserve.layers.attention_metadata import AttentionMetadata
+from flagserve.layers.norm import RMSNorm
+from flagserve.layers.rotary import RotaryEmbedding
 from kernels import KernelOps
 
 
@@ -16,10 +19,12 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
-        self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                positions: torch.Tensor, rotary: RotaryEmbedding, q_norm: RMSNorm | None = None,
+                k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] straight from the qkv projection -> [T, Hq, D].
+        The optional q/k norms, rotary and the cache store run first, as one fused op."""
+        q = rotary(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, q_norm, k_norm)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             return self.ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,

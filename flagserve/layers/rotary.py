@@ -1,10 +1,11 @@
 """Rotary embedding: the frequency table (default, linear and Llama-3 scaling, GGUF frequency
-factors) and its layer."""
+factors) and its layer, which also stores K/V into the cache (one fused op)."""
 import math
 
 import torch
 from torch import nn
 
+from flagserve.layers.norm import RMSNorm
 from flagserve.layers.rope import RopeConfig
 from kernels import KernelOps
 
@@ -45,5 +46,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """Rotates q and k (after Qwen3's per-head q/k RMSNorm when given) and stores k and v
+        at their cache slots, as one fused op. Returns the query to attend with; q and k are
+        scratch afterwards (the Triton op rotates q in place)."""
+        norm = {}
+        if q_norm is not None:
+            norm = dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, eps=q_norm.eps)
+        return self.ops.rotary_store_kvcache(positions, q, k, v, k_cache, v_cache, slot_mapping,
+                                             self.cos_sin_cache, **norm)

@@ -48,10 +48,8 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)
+        # q/k norm (Qwen3), rotary and the KV-cache store run fused inside the attention layer.
+        out = self.attn(q, k, v, meta, positions, self.rotary, self.q_norm, self.k_norm)
         return self.o_proj(out.flatten(1))
 
 

@@ -21,10 +21,9 @@ from triton.compiler import ASTSource  # noqa: E402
 import kernels.triton_ops  # noqa: E402,F401  (imports every kernel module)
 from kernels.triton_activation import silu_and_mul_triton  # noqa: E402
 from kernels.triton_decode_attention import paged_decode_attention_triton  # noqa: E402
-from kernels.triton_kv_store import store_kvcache_triton  # noqa: E402
 from kernels.triton_prefill_attention import paged_prefill_attention_triton  # noqa: E402
 from kernels.triton_rms_norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from kernels.triton_rotary import rotary_embedding_triton  # noqa: E402
+from kernels.triton_rotary_store import rotary_store_kvcache_triton  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
@@ -109,14 +108,16 @@ def cases():
             label = f"{kind} Hq={hq} Hkv={hkv} D={d} bs={bs} {TYPES[dtype]}"
             yield label, attention(hq, hkv, d, bs, dtype, num_splits)
     bf16 = dict(dtype=torch.bfloat16)
-    yield "store_kvcache Hkv=8 D=128 bf16", lambda: store_kvcache_triton(
-        t(4, 8, 128, **bf16), t(4, 8, 128, **bf16), t(8, 16, 8, 128, **bf16),
-        t(8, 16, 8, 128, **bf16), torch.zeros(4, dtype=torch.int64))
     yield "rms_norm H=4096 bf16", lambda: rms_norm_triton(t(4, 4096, **bf16), t(4096, **bf16), 1e-6)
     yield "fused_add_rms_norm H=8192 bf16", lambda: fused_add_rms_norm_triton(
         t(4, 8192, **bf16), t(4, 8192, **bf16), t(8192, **bf16), 1e-6)
-    yield "rotary Hq=32 Hkv=8 D=128 bf16", lambda: rotary_embedding_triton(
-        torch.zeros(4, dtype=torch.int64), t(4, 32, 128, **bf16), t(4, 8, 128, **bf16), t(16, 128))
+    for norm in (False, True):
+        w = dict(q_norm_weight=t(128, **bf16), k_norm_weight=t(128, **bf16)) if norm else {}
+        yield f"rotary_store qk_norm={norm} Hq=32 Hkv=8 D=128 bf16", lambda w=w: (
+            rotary_store_kvcache_triton(
+                torch.zeros(4, dtype=torch.int64), t(4, 32, 128, **bf16), t(4, 8, 128, **bf16),
+                t(4, 8, 128, **bf16), t(8, 16, 8, 128, **bf16), t(8, 16, 8, 128, **bf16),
+                torch.zeros(4, dtype=torch.int64), t(16, 128), eps=1e-6, **w))
     yield "silu_and_mul I=14336 bf16", lambda: silu_and_mul_triton(t(4, 2 * 14336, **bf16))
 
 

@@ -40,6 +40,9 @@ def test_auto_and_env_switch(monkeypatch):
 
 
 def test_triton_on_cpu_needs_interpreter(monkeypatch):
+    # triton.language's own jit helpers (tl.sum, ...) take the interpreter setting of the
+    # first `import triton`: import it before the switch goes off, or later kernel tests break.
+    pytest.importorskip("triton")
     monkeypatch.delenv(INTERPRET_ENV, raising=False)
     with pytest.raises(ValueError, match=INTERPRET_ENV):
         resolve_backend("triton", "cpu")
@@ -70,7 +73,7 @@ def test_kernels_imported_before_interpreter_switch():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunked_prefill_then_decode_through_ops(dtype):
     """One sequence in two prefill chunks and two decode steps beside a second sequence, the
-    engine's call order (store, then attend), Triton ops against torch ops."""
+    engine's call order (rotate + store, then attend), Triton ops against torch ops."""
     triton_ops = get_ops("triton", DEVICE)
     assert triton_ops.name == "triton"
     from kernels.triton_ops import TRITON_OPS
@@ -81,6 +84,8 @@ def test_chunked_prefill_then_decode_through_ops(dtype):
     caches = {name: [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype,
                                  device=DEVICE) for _ in range(2)] for name in ("torch", "triton")}
     gen = torch.Generator().manual_seed(0)
+    angles = torch.arange(64)[:, None] * 10000.0 ** (-torch.arange(0, head_dim, 2) / head_dim)
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).float().to(DEVICE)
 
     def slots(seq, positions):
         return [int(table[seq, p // block_size]) * block_size + p % block_size for p in positions]
@@ -95,17 +100,22 @@ def test_chunked_prefill_then_decode_through_ops(dtype):
         k, v = (torch.randn(num_new + 1, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
                 for _ in range(2))
         seq_lens = torch.tensor([p + n for _, p, n in step], dtype=torch.int32, device=DEVICE)
+        positions = torch.tensor(sum((list(range(p, p + n)) for _, p, n in step), []) + [0],
+                                 device=DEVICE)
         tables = table[[s for s, _, _ in step]]
         outs = {}
         for name, ops in (("torch", TORCH_OPS), ("triton", triton_ops)):
-            ops.store_kvcache(k, v, *caches[name], slot_mapping)
+            qr = ops.rotary_store_kvcache(positions, q.clone(), k.clone(), v, *caches[name],
+                                          slot_mapping, cos_sin)
             if all(n == 1 for _, _, n in step):
-                outs[name] = ops.paged_decode_attention(q[:-1], *caches[name], tables, seq_lens, 0.125)
+                outs[name] = ops.paged_decode_attention(qr[:-1], *caches[name], tables, seq_lens,
+                                                        0.125)
             else:
                 cu = torch.tensor([0] + list(torch.tensor([n for _, _, n in step]).cumsum(0)),
                                   dtype=torch.int32, device=DEVICE)
-                outs[name] = ops.paged_prefill_attention(q[:-1], *caches[name], tables, cu,
+                outs[name] = ops.paged_prefill_attention(qr[:-1], *caches[name], tables, cu,
                                                          seq_lens, 0.125)
-        assert torch.equal(caches["torch"][0], caches["triton"][0])
+        assert torch.equal(caches["torch"][1], caches["triton"][1])  # V: a copy
         atol, rtol = ATTN_TOL[dtype]
+        torch.testing.assert_close(caches["triton"][0], caches["torch"][0], atol=atol, rtol=rtol)
         torch.testing.assert_close(outs["triton"], outs["torch"], atol=atol, rtol=rtol)

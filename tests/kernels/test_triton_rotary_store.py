@@ -1,0 +1,74 @@
+"""Fused q/k RMSNorm + rotary + KV-cache store against the composed references.
+
+The kernel rounds where the references round, so the caches and the returned query agree to
+1 ulp (fp32: 1e-6 relative) and V, a pure copy, exactly. q and k are strided views of a fused
+qkv output as in the model; slots cross block boundaries and some are padding (-1).
+"""
+import math
+
+import pytest
+import torch
+from kernel_cases import DEVICE, DTYPES
+
+from kernels.rotary_store import rotary_store_kvcache_torch
+from kernels.triton_rotary_store import rotary_store_kvcache_triton
+
+TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
+BLOCK_SIZE, NUM_BLOCKS, MAX_POSITION = 16, 6, 4096
+
+
+def cos_sin_cache(head_dim: int) -> torch.Tensor:
+    # Llama-3-like: base 500000, low frequencies divided by 8.
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    inv_freq = torch.where(2 * math.pi / inv_freq > 2048, inv_freq / 8, inv_freq)
+    freqs = torch.arange(MAX_POSITION).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
+
+
+def make_inputs(num_tokens, hq, hkv, head_dim, dtype, gen):
+    qkv = (3 * torch.randn(num_tokens, (hq + 2 * hkv) * head_dim, generator=gen)).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    views = [t.view(num_tokens, -1, head_dim) for t in (q, k, v)]
+    positions = torch.randint(0, MAX_POSITION, (num_tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:num_tokens]
+    slots[::5] = -1
+    cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, hkv, head_dim, generator=gen).to(DEVICE, dtype)
+    return qkv, views, positions, slots.to(DEVICE), cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
+@pytest.mark.parametrize("hq,hkv,head_dim", [(4, 4, 64), (8, 2, 80), (16, 8, 128)])
+def test_matches_reference(hq, hkv, head_dim, qk_norm, dtype):
+    gen = torch.Generator().manual_seed(0)
+    qkv, (q, k, v), positions, slots, cache = make_inputs(13, hq, hkv, head_dim, dtype, gen)
+    weights = {}
+    if qk_norm:
+        weights = {name: (1 + 0.3 * torch.randn(head_dim, generator=gen)).to(DEVICE, dtype)
+                   for name in ("q_norm_weight", "k_norm_weight")}
+    table = cos_sin_cache(head_dim)
+    ref_caches = [cache.clone(), (-cache).clone()]
+    ref_q = rotary_store_kvcache_torch(positions, q.clone(), k.clone(), v, *ref_caches, slots,
+                                       table, eps=1e-6, **weights)
+    caches = [cache.clone(), (-cache).clone()]
+    v_before = v.clone()
+    out_q = rotary_store_kvcache_triton(positions, q, k, v, *caches, slots, table, eps=1e-6,
+                                        **weights)
+    atol, rtol = TOL[dtype]
+    assert out_q.data_ptr() == q.data_ptr()  # rotated in place, inside the qkv output
+    torch.testing.assert_close(out_q, ref_q, atol=atol, rtol=rtol)
+    torch.testing.assert_close(caches[0], ref_caches[0], atol=atol, rtol=rtol)
+    assert torch.equal(caches[1], ref_caches[1])  # V: a copy, padding slots untouched
+    assert torch.equal(v, v_before)
+
+
+def test_all_padding_and_empty():
+    gen = torch.Generator().manual_seed(1)
+    _, (q, k, v), positions, _, cache = make_inputs(3, 4, 2, 64, torch.float32, gen)
+    k_cache, v_cache = cache.clone(), cache.clone()
+    padding = torch.full((3,), -1, device=DEVICE)
+    rotary_store_kvcache_triton(positions, q, k, v, k_cache, v_cache, padding, cos_sin_cache(64))
+    assert torch.equal(k_cache, cache) and torch.equal(v_cache, cache)
+    none = rotary_store_kvcache_triton(positions[:0], q[:0], k[:0], v[:0], k_cache, v_cache,
+                                       padding[:0], cos_sin_cache(64))
+    assert none.shape[0] == 0
