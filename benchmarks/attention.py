@@ -1,21 +1,25 @@
 """Attention kernel benchmark: FlagServe's Triton kernels vs torch SDPA on the same data.
 
 Decode: one query token per sequence against a paged KV cache (random, fragmented block
-table), uniform context per batch. Reports time, achieved memory bandwidth (K/V bytes read +
-q and out) as a share of the GPU's peak, and torch `scaled_dot_product_attention` on the same
-K/V gathered into contiguous [batch, kv_heads, context, head_dim] tensors (SDPA's best case:
-no paging, no padding; the faster of native GQA and K/V expanded to the query heads, where
-memory allows). Prefill: causal attention of whole prompts (and chunked-prefill extends on a
-cached prefix) in TFLOP/s, against SDPA on the same data. Every shape also checks the Triton
-output against SDPA's (max err column).
+table), uniform context per batch, batch 1..256 x context 512..32k. Three Triton timings per
+shape: the path the wrapper chooses (`auto`; `splits` says which: 1 is the single pass), the
+single pass forced, and split-K forced (with the split count it would use; `-` where that is
+1). Reports achieved memory bandwidth of `auto` (K/V bytes read + q and out) as a share of the
+GPU's peak, and torch `scaled_dot_product_attention` on the same K/V gathered into contiguous
+[batch, kv_heads, context, head_dim] tensors (SDPA's best case: no paging, no padding; the
+faster of native GQA and K/V expanded to the query heads, where memory allows); `vs sdpa` is
+SDPA's time over ours (> 1: we are faster). Prefill, per head_dim: causal attention of whole
+prompts and chunked-prefill extends on a cached prefix, in TFLOP/s, against SDPA on the same
+data. Every shape also checks the Triton output against SDPA's (max err column).
 
     python benchmarks/attention.py                        # decode + prefill, bf16, on a GPU
     python benchmarks/attention.py --dtype float16 --only decode --peak-gbps 3350
     python benchmarks/attention.py --cuda-graph           # time without Python launch overhead
+    python benchmarks/attention.py --head-dims 128 --decode-head-dims 64 128
     python benchmarks/attention.py --cpu-smoke            # tiny shapes in the Triton interpreter
 
-Targets (issue 3): decode above 70% of peak HBM bandwidth at large batch x context, and faster
-than SDPA at every measured shape.
+Targets (issue 13): decode faster than SDPA at every shape with batch >= 8 and no fixed
+split/merge cost at batch 1; prefill and extend at >= 0.9x SDPA.
 """
 import argparse
 import os
@@ -49,7 +53,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--decode-head-dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256],
+                        help="head_dims of the prefill / extend tables")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
@@ -126,6 +132,16 @@ def fits(bytes_needed: int, device) -> bool:
     return bytes_needed < 0.85 * free
 
 
+def decode_variants(shape: Shape, batch: int, context: int, dtype, device) -> dict:
+    """num_splits per timed variant: the wrapper's choice, the single pass, and split-K with
+    the count it would use (None where that count is 1, i.e. no split-K variant exists)."""
+    from kernels.triton_decode_attention import choose_num_splits, split_num_splits
+    split = split_num_splits(batch, shape.num_kv_heads, context, device)
+    return dict(auto=choose_num_splits(batch, shape.num_kv_heads, shape.head_dim, dtype, context,
+                                       device),
+                single=1, split=split if split > 1 else None)
+
+
 def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
                 peak_gbps: float | None) -> dict | None:
     """One decode shape; its tensors are freed when this returns."""
@@ -138,13 +154,19 @@ def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
     k_cache, v_cache, tables = random_paged_cache(batch, context, shape, dtype, device)
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=dtype, device=device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, scale)
-    t_ms = bench_ms(lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens,
-                                                          scale), args.cuda_graph)
+    variants = decode_variants(shape, batch, context, dtype, device)
+    row = dict(batch=batch, context=context, splits=variants["auto"])
+    for name, splits in variants.items():
+        if splits is None:
+            continue
+        fn = lambda n=splits: paged_decode_attention_triton(  # noqa: E731
+            q, k_cache, v_cache, tables, seq_lens, scale, num_splits=n)
+        row[f"{name}_us"] = 1e3 * bench_ms(fn, args.cuda_graph)
+        if name == "auto":
+            out = fn()
     io_bytes = kv_bytes + 2 * q.numel() * elem + tables.numel() * 4  # K/V + q + out + table
-    gbps = io_bytes / t_ms / 1e6
-    row = dict(batch=batch, context=context, triton_us=t_ms * 1e3, gbps=gbps,
-               peak=gbps / peak_gbps if peak_gbps else None)
+    row["gbps"] = io_bytes / row["auto_us"] / 1e3
+    row["peak"] = row["gbps"] / peak_gbps if peak_gbps else None
     if fits(kv_bytes, device):  # room for the contiguous copy SDPA needs
         k = gather_contiguous(k_cache, tables, context)
         v = gather_contiguous(v_cache, tables, context)
@@ -159,8 +181,8 @@ def run_decode(args, shape: Shape, dtype, device, peak_gbps: float | None) -> li
     print(f"\ndecode attention: Hq={shape.num_q_heads} Hkv={shape.num_kv_heads} "
           f"D={shape.head_dim} block={shape.block_size} {args.dtype}"
           + (" (CUDA graphs)" if args.cuda_graph else ""))
-    print(f"{'batch':>6} {'context':>8} {'triton us':>10} {'GB/s':>8} {'%peak':>6} "
-          f"{'sdpa us':>9} {'speedup':>8} {'max err':>8}")
+    print(f"{'batch':>6} {'context':>8} {'splits':>6} {'auto us':>9} {'1-pass us':>9} "
+          f"{'split us':>9} {'GB/s':>7} {'%peak':>6} {'sdpa us':>9} {'vs sdpa':>8} {'max err':>8}")
     rows = []
     for context in args.contexts:
         for batch in args.batches:
@@ -168,18 +190,21 @@ def run_decode(args, shape: Shape, dtype, device, peak_gbps: float | None) -> li
             if row is None:
                 print(f"{batch:>6} {context:>8}  skipped: the K/V cache does not fit")
                 continue
+            row["head_dim"] = shape.head_dim
             rows.append(row)
             print(format_decode(row))
     return rows
 
 
 def format_decode(row: dict) -> str:
+    def us(key):
+        return f"{row[key]:>9.1f}" if row.get(key) is not None else f"{'-':>9}"
     peak = f"{100 * row['peak']:>5.1f}%" if row["peak"] else f"{'-':>6}"
     sdpa = row.get("sdpa_us")
-    tail = (f"{sdpa:>9.1f} {sdpa / row['triton_us']:>7.2f}x {row['err']:>8.1e}" if sdpa
-            else f"{'-':>9} {'-':>8} {'-':>8}")
-    return (f"{row['batch']:>6} {row['context']:>8} {row['triton_us']:>10.1f} "
-            f"{row['gbps']:>8.0f} {peak} {tail}")
+    tail = (f"{sdpa / row['auto_us']:>7.2f}x {row['err']:>8.1e}" if sdpa
+            else f"{'-':>8} {'-':>8}")
+    return (f"{row['batch']:>6} {row['context']:>8} {row['splits']:>6} {us('auto_us')} "
+            f"{us('single_us')} {us('split_us')} {row['gbps']:>7.0f} {peak} {us('sdpa_us')} {tail}")
 
 
 def causal_flops(q_len: int, kv_len: int, num_heads: int, head_dim: int) -> float:
@@ -223,13 +248,14 @@ def run_prefill(args, shape: Shape, dtype, device) -> list[dict]:
           f"D={shape.head_dim} block={shape.block_size} {args.dtype}"
           + (" (CUDA graphs)" if args.cuda_graph else ""))
     print(f"{'batch':>6} {'new':>6} {'cached':>7} {'triton us':>10} {'TFLOP/s':>8} "
-          f"{'sdpa us':>9} {'TFLOP/s':>8} {'speedup':>8} {'max err':>8}")
+          f"{'sdpa us':>9} {'TFLOP/s':>8} {'vs sdpa':>8} {'max err':>8}")
     # Whole prompts, then chunked-prefill extends (one chunk after a cached prefix).
     cases = [(max(1, args.prefill_tokens // n), n, 0) for n in args.prefill_lens]
     cases += [(4, args.extend_chunk, cached) for cached in args.extend_cached]
     rows = []
     for batch, q_len, cached in cases:
         r = prefill_case(args, shape, batch, q_len, cached, dtype, device)
+        r["head_dim"] = shape.head_dim
         rows.append(r)
         print(f"{batch:>6} {q_len:>6} {cached:>7} {r['triton_us']:>10.1f} {r['tflops']:>8.1f} "
               f"{r['sdpa_us']:>9.1f} {r['sdpa_tflops']:>8.1f} "
@@ -237,39 +263,73 @@ def run_prefill(args, shape: Shape, dtype, device) -> list[dict]:
     return rows
 
 
-def summarize(decode_rows: list[dict], prefill_rows: list[dict]) -> None:
-    if decode_rows:
-        compared = [r for r in decode_rows if r.get("sdpa_us")]
-        slower = [r for r in compared if r["sdpa_us"] < r["triton_us"]]
-        print(f"\ndecode: faster than SDPA at {len(compared) - len(slower)}/{len(compared)} shapes"
+def summarize_decode(rows: list[dict]) -> None:
+    """Per head_dim: the issue's targets (faster than SDPA at batch >= 8; batch-1 ratio) and
+    how often the wrapper's path choice was the faster of the two paths."""
+    for head_dim in sorted({r["head_dim"] for r in rows}):
+        mine = [r for r in rows if r["head_dim"] == head_dim and r.get("sdpa_us")]
+        big = [r for r in mine if r["batch"] >= 8]
+        slower = [r for r in big if r["sdpa_us"] < r["auto_us"]]
+        print(f"\ndecode D={head_dim}: faster than SDPA at {len(big) - len(slower)}/{len(big)} "
+              "shapes with batch >= 8"
               + (": slower at " + ", ".join(f"b{r['batch']}xc{r['context']}" for r in slower)
                  if slower else ""))
-        with_peak = [r for r in decode_rows if r["peak"]]
+        ones = [f"c{r['context']} {r['sdpa_us'] / r['auto_us']:.2f}x" for r in mine
+                if r["batch"] == 1]
+        print(f"decode D={head_dim}: batch 1 vs SDPA: " + (", ".join(ones) or "-"))
+        both = [r for r in mine if r.get("split_us")]
+        picked = [r for r in both if r["auto_us"] <= 1.05 * min(r["single_us"], r["split_us"])]
+        print(f"decode D={head_dim}: the chosen path within 5% of the faster path at "
+              f"{len(picked)}/{len(both)} shapes where both exist")
+        with_peak = [r for r in rows if r["head_dim"] == head_dim and r["peak"]]
         if with_peak:
-            big = max(with_peak, key=lambda r: r["batch"] * r["context"])
-            best = max(with_peak, key=lambda r: r["peak"])
-            print(f"decode: {100 * big['peak']:.1f}% of peak at the largest batch x context "
-                  f"(b{big['batch']} x c{big['context']}); best {100 * best['peak']:.1f}%")
-    if prefill_rows:
-        slower = [r for r in prefill_rows if r["sdpa_us"] < r["triton_us"]]
-        print(f"prefill: faster than SDPA at {len(prefill_rows) - len(slower)}/{len(prefill_rows)}"
-              f" shapes; best {max(r['tflops'] for r in prefill_rows):.1f} TFLOP/s")
+            large = max(with_peak, key=lambda r: r["batch"] * r["context"])
+            print(f"decode D={head_dim}: {100 * large['peak']:.1f}% of peak at b{large['batch']} x "
+                  f"c{large['context']}; best {100 * max(r['peak'] for r in with_peak):.1f}%")
+
+
+def summarize_prefill(rows: list[dict]) -> None:
+    """Per head_dim: the worst ratio to SDPA of whole prompts and of extends (target 0.9x)."""
+    for head_dim in sorted({r["head_dim"] for r in rows}):
+        for kind, cached in (("prefill", False), ("extend", True)):
+            mine = [r for r in rows if r["head_dim"] == head_dim and bool(r["cached"]) == cached]
+            if mine:
+                worst = min(mine, key=lambda r: r["sdpa_us"] / r["triton_us"])
+                print(f"{kind} D={head_dim}: worst {worst['sdpa_us'] / worst['triton_us']:.2f}x "
+                      f"SDPA (new {worst['q_len']}, cached {worst['cached']}); best "
+                      f"{max(r['tflops'] for r in mine):.1f} TFLOP/s")
+
+
+def run_all(args, dtype, device, peak_gbps: float | None) -> list[dict]:
+    """Decode tables (per --decode-head-dims), prefill tables (per --head-dims), summaries."""
+    torch.manual_seed(0)
+    decode_rows, prefill_rows = [], []
+    if args.only != "prefill":
+        for head_dim in args.decode_head_dims:
+            shape = Shape(args.num_q_heads, args.num_kv_heads, head_dim, args.block_size)
+            decode_rows += run_decode(args, shape, dtype, device, peak_gbps)
+    if args.only != "decode":
+        for head_dim in args.head_dims:
+            shape = Shape(args.num_q_heads, args.num_kv_heads, head_dim, args.block_size)
+            prefill_rows += run_prefill(args, shape, dtype, device)
+    summarize_decode(decode_rows)
+    print()
+    summarize_prefill(prefill_rows)
+    return decode_rows + prefill_rows
 
 
 def cpu_smoke(args: argparse.Namespace) -> int:
     """No GPU: the same benchmark code on tiny fp32 shapes through the Triton interpreter.
-    Checks the plumbing and the results (max err column); the timings mean nothing."""
+    Checks the plumbing and the results (max err column); the timings mean nothing. The
+    contexts reach split-K (the interpreter's nominal 8 SMs, a 2 x 2 batch) and not."""
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-    vars(args).update(dtype="float32", num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
-                      batches=[1, 3], contexts=[40, 100], prefill_lens=[16, 40],
-                      prefill_tokens=80, extend_chunk=8, extend_cached=[24], cuda_graph=False)
+    vars(args).update(dtype="float32", num_q_heads=4, num_kv_heads=2, decode_head_dims=[32],
+                      head_dims=[32, 64], block_size=16, batches=[1, 2, 4], contexts=[40, 2100],
+                      prefill_lens=[16, 40], prefill_tokens=80, extend_chunk=8,
+                      extend_cached=[24], cuda_graph=False)
     print("cpu smoke: tiny shapes in the Triton interpreter (timings are meaningless)")
-    shape = Shape(args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size)
-    torch.manual_seed(0)
-    decode_rows = run_decode(args, shape, torch.float32, torch.device("cpu"), None)
-    prefill_rows = run_prefill(args, shape, torch.float32, torch.device("cpu"))
-    summarize(decode_rows, prefill_rows)
-    worst = max(r["err"] for r in decode_rows + prefill_rows)
+    rows = run_all(args, torch.float32, torch.device("cpu"), None)
+    worst = max(r["err"] for r in rows)
     print(f"cpu smoke {'OK' if worst < 1e-4 else 'FAILED'}: max err vs SDPA {worst:.1e}")
     return 0 if worst < 1e-4 else 1
 
@@ -294,12 +354,7 @@ def main() -> int:
           + f"; torch {torch.__version__}")
     import triton
     print(f"triton {triton.__version__}")
-    dtype = getattr(torch, args.dtype)
-    shape = Shape(args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size)
-    torch.manual_seed(0)
-    decode_rows = run_decode(args, shape, dtype, device, peak) if args.only != "prefill" else []
-    prefill_rows = run_prefill(args, shape, dtype, device) if args.only != "decode" else []
-    summarize(decode_rows, prefill_rows)
+    run_all(args, getattr(torch, args.dtype), device, peak)
     return 0
 
 
