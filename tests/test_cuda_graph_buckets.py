@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flagserve import LLM, SamplingParams
+from flagserve.engine import cuda_graphs
 from flagserve.engine.input_buffers import StepBuffers, bucket_for, decode_buckets
 from flagserve.engine.model_runner import ModelRunner
 from flagserve.engine.step_input import StepInput
@@ -108,3 +109,35 @@ def test_padded_decode_equals_eager(llama_path, kind):
         assert padded.llm_engine.get_stats().num_preemptions > 0 and padded_buckets, seen
     else:
         assert len(padded_buckets) >= 3, seen
+
+
+class ForwardAsGraphs:
+    """cuda_graphs.DecodeGraphs' stand-in on CPU: a 'replay' runs the forward captured for the
+    bucket from the static buffers alone (padded_batch), which is all a real graph sees."""
+
+    def __init__(self, forward, sizes):
+        self.forward, self.sizes, self.replays = forward, set(sizes), []
+
+    def __contains__(self, rows):
+        return rows in self.sizes
+
+    def replay(self, rows):
+        self.replays.append(rows)
+        return self.forward(rows)
+
+
+def test_graph_mode_needs_nothing_but_the_static_buffers(llama_path, monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "DecodeGraphs", ForwardAsGraphs)
+    engine = dict(dtype="float32", enforce_eager=True, max_num_seqs=6)
+    eager = LLM(llama_path, **engine)
+    prompts = prompt_set(eager.get_tokenizer(), 6, seed=4, max_len=40)
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=1)
+              for i in range(len(prompts))]
+    graphed = LLM(llama_path, **engine)
+    runner = graphed.llm_engine.executor.runner
+    runner.prepare_decode_paths("graph")
+    tokens, ranks, logprobs = run(graphed, prompts, params)
+    ref_tokens, ref_ranks, ref_logprobs = run(eager, prompts, params)
+    assert tokens == ref_tokens and ranks == ref_ranks
+    np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=2e-5)
+    assert {4, 6} <= set(runner.graphs.replays), runner.graphs.replays
