@@ -155,7 +155,7 @@ class ResourcesConfig:
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None  # autoscaling target per replica
     max_ongoing_requests: int | None = None  # Serve's per-replica admission limit
-    num_cpus: float | None = None  # default: 1 for an engine on CPU, else 0
+    num_cpus: float | None = None  # default: a CPU engine its share of the host's cores, else 0
     num_gpus: float | None = None  # engines: derived from device and TP x PP
 
     @property

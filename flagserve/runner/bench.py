@@ -124,8 +124,9 @@ def bench(deployment: Deployment) -> int:
     baselines: dict[str, Any] = {}
     if job.settings.baselines and runs:
         print(f"baselines in-process: {', '.join(job.settings.baselines)} ...", flush=True)
-        threads = (None if uses_gpu(job.module, deployment.hosts)
-                   else int(job.module.resources.num_cpus or 1))
+        # The served replica's cores: num_cpus, or by default (one replica) all of them.
+        cpus = job.module.resources.num_cpus
+        threads = None if uses_gpu(job.module, deployment.hosts) or not cpus else int(cpus)
         extra_runs, baselines = suite.run_baselines(runs[0], job.engine_args, job.tokenizer,
                                                     job.settings, job.samples, job.offsets,
                                                     threads, more_http)

@@ -18,6 +18,7 @@ tokenizing, and every engine replica pushes its metrics to `metrics` (one replic
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray import serve
@@ -33,6 +34,7 @@ from flagserve.config.topology import (
     served_names,
     uses_gpu,
 )
+from flagserve.engine.cpu_runtime import replica_cpus
 from flagserve.entrypoints.openai.ingress import ModelRoute, OpenAIIngress
 from flagserve.serve.engine_clients import LocalEngineSpec, RemoteEngineSpec
 from flagserve.serve.engine_deployment import EngineDeployment
@@ -69,16 +71,26 @@ def deployment_options(res: ResourcesConfig, num_cpus: float, num_gpus: float = 
     return options
 
 
-def engine_options(module: LLMModule, hosts: list[Host]) -> dict[str, Any]:
+def engine_options(module: LLMModule, hosts: list[Host], cpu_engines: int = 1) -> dict[str, Any]:
     max_num_seqs = int(module.engine_args.get("max_num_seqs", 256))
     gpu = uses_gpu(module, hosts)
     # TP x PP > 1: the shard workers (their own placement group) hold the devices; the engine
     # replica only schedules and drives them.
     sharded = module.world_size > 1
-    options = deployment_options(module.resources, num_cpus=0 if gpu or sharded else 1,
+    # On one host a CPU engine replica owns its share of the cores (its torch threads: one
+    # per core it owns, engine/cpu_runtime.py); other hosts' core counts are unknown here.
+    cpus = replica_cpus(os.cpu_count() or 1, cpu_engines) if len(hosts) == 1 else 1
+    options = deployment_options(module.resources, num_cpus=0 if gpu or sharded else cpus,
                                  num_gpus=1 if gpu and not sharded else 0,
                                  max_ongoing=4 * max_num_seqs, target_ongoing=max_num_seqs)
     return {**options, "health_check_period_s": ENGINE_HEALTH_CHECK_S}
+
+
+def cpu_engine_replicas(config: Config, hosts: list[Host]) -> int:
+    """Engine replicas that run a model on this host's CPU cores (at most, when autoscaled)."""
+    return sum(max(m.resources.num_replicas, m.resources.max_replicas or 0)
+               for m in config.llms.values()
+               if m.world_size == 1 and not uses_gpu(m, hosts) and m.resources.num_cpus is None)
 
 
 def shutdown_options(config: Config) -> dict[str, float]:
@@ -111,6 +123,7 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
         ).bind(mid, m.module, m.name, m.init_args)
         for mid, m in config.user_modules.items()}
     local = ingress_in_engine(config)
+    cpu_engines = cpu_engine_replicas(config, hosts)
     routes = []
     for mid, module in config.llms.items():
         names = served_names(mid, module)
@@ -125,13 +138,14 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
             engine = LocalEngineSpec(mid, names[0], engine_args, engine_core_mode(module))
         else:
             engine = RemoteEngineSpec(serve.deployment(EngineDeployment).options(
-                name=f"{mid}-engine", **engine_options(module, hosts), **stop
+                name=f"{mid}-engine", **engine_options(module, hosts, cpu_engines), **stop
             ).bind(mid, names[0], engine_args, hub, engine_core_mode(module)))
         routes.append(ModelRoute(mid, names, engine, tokenizer_path, tokenizer,
                                  [(d, users[d]) for d in dependency_order(config, mid)],
                                  module.tool_call_parser))
     if local is not None:
-        options = {"name": f"{local}-engine", **engine_options(config.llms[local], hosts)}
+        options = {"name": f"{local}-engine",
+                   **engine_options(config.llms[local], hosts, cpu_engines)}
     else:
         options = {"name": "ingress", "num_replicas": config.deploy.ingress_replicas,
                    "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": 0}}

@@ -25,6 +25,7 @@ from ray import serve
 
 from flagserve.engine.async_engine import AsyncEngine
 from flagserve.engine.core.interface import CoreMode, make_core
+from flagserve.engine.cpu_runtime import quiet_host_process
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.outputs import RequestOutput, merge_deltas
 from flagserve.entrypoints.openai.engine_client import EngineChunk, EngineRequest, ModelInfo
@@ -39,6 +40,8 @@ class EngineDeployment:
     def __init__(self, module_id: str, model_name: str, engine_args: dict[str, Any],
                  metrics_hub: Any = None, engine_core: CoreMode = "thread"):
         self.args = EngineArgs(**engine_args)
+        if engine_core == "process" and _in_replica():
+            quiet_host_process()  # the model's threads are the child's (cpu_runtime.py)
         core = make_core(self.args, engine_core)
         self.metrics = EngineMetrics()
         self.async_engine = AsyncEngine(core, on_step=self.metrics.on_step)
@@ -110,6 +113,14 @@ class EngineDeployment:
 
     def __del__(self) -> None:
         self.shutdown()
+
+
+def _in_replica() -> bool:
+    try:
+        serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - outside Serve (unit tests): leave this process alone
+        return False
+    return True
 
 
 def _chunk(out: RequestOutput) -> EngineChunk:

@@ -31,6 +31,7 @@ from typing import Any
 
 from flagserve.engine.core import wire
 from flagserve.engine.core.loop import Command, EngineDeadError, StepResult, run_steps
+from flagserve.engine.cpu_runtime import apply_thread_plan, engine_thread_plan
 from flagserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class EngineProcess:
         parent, child = Pipe(duplex=True)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        env.update(engine_thread_plan().env())  # OpenMP reads its settings once, at load
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flagserve.engine.core.process", str(child.fileno())],
             pass_fds=(child.fileno(),), env=env)
@@ -201,6 +203,10 @@ def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
     try:
+        plan = engine_thread_plan()
+        apply_thread_plan(plan)
+        log.info("torch threads: %d, bound to cores %s", plan.num_threads,
+                 ",".join(map(str, plan.cpus)) or "none")
         from flagserve.engine.llm_engine import LLMEngine
         engine = LLMEngine(conn.recv())
     except BaseException:  # noqa: BLE001 - reported to the replica, which fails to start

@@ -1,0 +1,61 @@
+"""The CPU thread plan of an engine (flagserve/engine/cpu_runtime.py): pure decisions."""
+import pytest
+
+from flagserve.engine.cpu_runtime import (
+    ThreadPlan,
+    owned_cpus,
+    parse_cpu_list,
+    plan_threads,
+    replica_cpus,
+)
+
+
+def test_an_engine_owning_every_core_binds_one_thread_per_core():
+    plan = plan_threads([1, 0], owned=2)
+    assert plan == ThreadPlan(2, (0, 1))
+    assert plan.env() == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+                          "OMP_PLACES": "{0},{1}", "OMP_PROC_BIND": "close"}
+
+
+def test_unset_reservation_means_every_allowed_core():
+    assert plan_threads([0, 1, 2, 3], owned=None) == ThreadPlan(4, (0, 1, 2, 3))
+
+
+def test_an_engine_owning_part_of_the_cores_is_not_bound():
+    # Two replicas of one core each on a 2-core host: binding both to core 0 would stack them.
+    plan = plan_threads([0, 1], owned=1)
+    assert plan == ThreadPlan(1, ())
+    assert "OMP_PLACES" not in plan.env() and plan.env()["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_reservation_beyond_the_allowed_cores_is_capped():
+    assert plan_threads([2, 3], owned=8) == ThreadPlan(2, (2, 3))
+
+
+def test_bind_off_and_explicit_lists():
+    assert plan_threads([0, 1], owned=2, bind="off") == ThreadPlan(2, ())
+    assert plan_threads([0, 1, 2, 3], owned=1, bind="1-2") == ThreadPlan(2, (1, 2))
+
+
+@pytest.mark.parametrize("text, cpus", [("0", (0,)), ("0-3", (0, 1, 2, 3)), ("0,2, 4-5", (0, 2, 4, 5)),
+                                        ("1,1-2", (1, 2))])
+def test_parse_cpu_list(text, cpus):
+    assert parse_cpu_list(text) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "-1"])
+def test_parse_cpu_list_refuses_nonsense(text):
+    with pytest.raises(ValueError):
+        parse_cpu_list(text)
+
+
+def test_owned_cpus_reads_rays_omp_setting():
+    assert owned_cpus({"OMP_NUM_THREADS": "2"}) == 2
+    assert owned_cpus({}) is None
+    assert owned_cpus({"OMP_NUM_THREADS": "0"}) is None
+    assert owned_cpus({"OMP_NUM_THREADS": "x"}) is None
+
+
+@pytest.mark.parametrize("host, replicas, cpus", [(2, 1, 2), (2, 2, 1), (2, 3, 1), (16, 4, 4), (1, 0, 1)])
+def test_replica_cpus_shares_the_host(host, replicas, cpus):
+    assert replica_cpus(host, replicas) == cpus
