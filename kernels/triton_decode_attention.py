@@ -42,8 +42,11 @@ def _context_range(seq_len, split, num_splits, SPLIT: tl.constexpr, BLOCK_N: tl.
     if SPLIT:
         split_len = _split_len(seq_len, num_splits, BLOCK_N)
         start = split * split_len
-        return start, tl.minimum(start + split_len, seq_len)
-    return 0, seq_len
+        end = tl.minimum(start + split_len, seq_len)
+    else:
+        start = 0
+        end = seq_len
+    return start, end
 
 
 # num_splits varies with the batch size: a runtime argument, so it never triggers a recompile.

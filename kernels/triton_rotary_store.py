@@ -16,25 +16,25 @@ from kernels._triton_utils import last_dim_contiguous, next_pow2
 
 
 @triton.jit
-def _rounded(x, dtype: tl.constexpr):
-    return x.to(dtype).to(tl.float32)
+def _rounded(x, like):
+    """x rounded to like's dtype, to be computed on in fp32."""
+    return x.to(like.dtype).to(tl.float32)
 
 
 @triton.jit
-def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, half, d,
-                 QK_NORM: tl.constexpr, dtype: tl.constexpr):
+def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, half, d, QK_NORM: tl.constexpr):
     """[heads, half] first and second halves of some heads -> rotated halves (fp32 holding
-    `dtype` values), after the per-head RMSNorm when QK_NORM."""
+    values of x's dtype), after the per-head RMSNorm when QK_NORM."""
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
     if QK_NORM:
         mean_sq = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * half)
         rstd = tl.rsqrt(mean_sq + eps)[:, None]
         w1 = tl.load(w_ptr + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
-        x1f = _rounded(_rounded(x1f * rstd, dtype) * w1, dtype)
-        x2f = _rounded(_rounded(x2f * rstd, dtype) * w2, dtype)
-    o1 = _rounded(x1f * cos, dtype) - _rounded(x2f * sin, dtype)
-    o2 = _rounded(x2f * cos, dtype) + _rounded(x1f * sin, dtype)
+        x1f = _rounded(_rounded(x1f * rstd, x1) * w1, x1)
+        x2f = _rounded(_rounded(x2f * rstd, x1) * w2, x1)
+    o1 = _rounded(x1f * cos, x1) - _rounded(x2f * sin, x1)
+    o2 = _rounded(x2f * cos, x1) + _rounded(x1f * sin, x1)
     return o1, o2
 
 
@@ -48,13 +48,12 @@ def _rotary_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
                          BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
-    dtype = q_ptr.dtype.element_ty
     d = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_sin_ptr + pos * stride_cos + d, mask=d < half, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos + half + d, mask=d < half, other=0.0)
     # The reference casts the fp32 table to the model dtype before multiplying.
-    cos = _rounded(tl.load(cos_sin_ptr + pos * stride_cos + d, mask=d < half, other=0.0), dtype)
-    sin = _rounded(tl.load(cos_sin_ptr + pos * stride_cos + half + d, mask=d < half, other=0.0),
-                   dtype)
-    cos, sin = cos[None, :], sin[None, :]
+    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
     if tl.program_id(1) == 0:
         for h0 in range(0, num_q_heads, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
@@ -62,9 +61,9 @@ def _rotary_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
             ptr = q_ptr + token * stride_qt + h[:, None] * stride_qh + d[None, :]
             o1, o2 = _norm_rotate(tl.load(ptr, mask=mask, other=0.0),
                                   tl.load(ptr + half, mask=mask, other=0.0),
-                                  qw_ptr, cos, sin, eps, half, d, QK_NORM, dtype)
-            tl.store(ptr, o1.to(dtype), mask=mask)
-            tl.store(ptr + half, o2.to(dtype), mask=mask)
+                                  qw_ptr, cos, sin, eps, half, d, QK_NORM)
+            tl.store(ptr, o1.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(ptr + half, o2.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:  # negative: a padding token (e.g. a CUDA-graph batch filler)
@@ -76,7 +75,7 @@ def _rotary_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
                 dst = row + h[:, None] * stride_ch + d[None, :]
                 o1, o2 = _norm_rotate(tl.load(src, mask=mask, other=0.0),
                                       tl.load(src + half, mask=mask, other=0.0),
-                                      kw_ptr, cos, sin, eps, half, d, QK_NORM, dtype)
+                                      kw_ptr, cos, sin, eps, half, d, QK_NORM)
                 tl.store(k_cache_ptr + dst, o1.to(k_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(k_cache_ptr + dst + half, o2.to(k_cache_ptr.dtype.element_ty), mask=mask)
                 src = v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
