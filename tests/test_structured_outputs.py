@@ -136,3 +136,18 @@ def test_token_bitmask_matches_xgrammar(vocab):
     expected = logits.clone()
     xgr.apply_token_bitmask_inplace(expected, mask)
     assert torch.equal(apply_token_bitmask(logits, mask), expected)
+
+
+def test_step_input_sends_the_filled_mask_to_shards():
+    # The mask fills beside the forward; a shard worker (another process) gets the tensor.
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from flagserve.engine.step_input import StepInput
+    mask = torch.tensor([[5, -1]], dtype=torch.int32)
+    with ThreadPoolExecutor(1) as pool:
+        step = StepInput([1], [1], [3], [[0]], [7], [0], [2], None,
+                         token_bitmask=pool.submit(lambda: mask))
+        again = pickle.loads(pickle.dumps(step))
+    assert torch.equal(again.token_bitmask, mask) and torch.equal(step.grammar_bitmask(), mask)

@@ -57,5 +57,5 @@ def sampling_batch(seqs: list[SeqSampling], step: StepInput, vocab_size: int,
             for ban, p in zip(below_min, params)]
     generators = {i: s.generator for i, s in enumerate(seqs) if s.generator is not None}
     batch.generators = generators or None
-    batch.token_bitmask = step.token_bitmask
+    batch.token_bitmask = step.grammar_bitmask()
     return batch

@@ -7,6 +7,7 @@ the runner that samples keeps it, with the seeded generator, across preemptions.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -39,12 +40,21 @@ class StepInput:
     new_seqs: list[NewSeq] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
     # Per sampled row: allowed-token bits of its grammar (all ones when unconstrained); None
-    # when no row is constrained. The engine's matchers write it: they follow the tokens.
-    token_bitmask: torch.Tensor | None = None
+    # when no row is constrained. The engine's matchers write it, while the forward runs.
+    token_bitmask: torch.Tensor | Future[torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def grammar_bitmask(self) -> torch.Tensor | None:
+        """The token bitmask, once its fill is done."""
+        mask = self.token_bitmask
+        return mask.result() if isinstance(mask, Future) else mask
+
+    def __getstate__(self) -> dict:
+        # Shard workers get the finished mask: a Future does not cross processes.
+        return {**self.__dict__, "token_bitmask": self.grammar_bitmask()}
 
 
 class StepInputBuilder:

@@ -9,7 +9,7 @@ n > 1 samples has its own matcher.
 """
 from __future__ import annotations
 
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -41,6 +41,10 @@ class StructuredOutputs:
         self.matchers: dict[int, _Matcher] = {}  # seq_id -> matcher
         self._mask: torch.Tensor | None = None  # reused across steps: allocating costs per step
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher
+        # The fill runs beside the model forward (xgrammar releases the GIL): the mask is only
+        # needed at sampling. One fill at a time: the next step's reuses the buffer.
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self._filling: Future | None = None
 
     # Requests waiting for their grammar
 
@@ -95,6 +99,7 @@ class StructuredOutputs:
         """After each sequence got its new token: where its grammar stands (None when
         unconstrained). Matchers one token behind, the usual case, accept in one call."""
         results: list[Advance | None] = [None] * len(seqs)
+        self._wait_fill()  # normally done: the sampler waited for it
         rows, behind = [], []
         for i, seq in enumerate(seqs):
             m = self.matchers.get(seq.seq_id)
@@ -114,28 +119,40 @@ class StructuredOutputs:
                 results[i] = ("terminated" if m.matcher.is_terminated() else "ok") if ok else "rejected"
         return results
 
-    def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def bitmask(self, seqs: list[Sequence]) -> Future[torch.Tensor] | None:
         """[len(seqs), ceil(vocab / 32)] int32 allowed-token bits for the rows that sample,
-        all ones for unconstrained rows; None when no row is constrained."""
+        all ones for unconstrained rows, filled in the background; None when no row is
+        constrained. The matchers are not to be touched until it is done."""
         rows = [(i, s) for i, s in enumerate(seqs) if s.seq_id in self.matchers]
         if not rows:
             return None
         import xgrammar as xgr
+        self._wait_fill()
         if self._mask is None or self._mask.shape[0] < len(seqs):
             self._mask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-            self._batch = xgr.BatchGrammarMatcher()  # fills the rows on xgrammar's threads
+            self._batch = xgr.BatchGrammarMatcher()
         mask = self._mask[:len(seqs)]
         mask.fill_(-1)  # all ones: unconstrained rows allow everything
         for _, seq in rows:
             # advance_all() keeps the matchers up to date; replay only what it has not seen
             if self.matchers[seq.seq_id].num_accepted != seq.num_output_tokens:
                 self.sync(seq)
-        self._batch.batch_fill_next_token_bitmask(
-            [self.matchers[s.seq_id].matcher for _, s in rows], mask, [i for i, _ in rows])
-        return mask
+        matchers = [self.matchers[s.seq_id].matcher for _, s in rows]
+
+        def fill() -> torch.Tensor:
+            self._batch.batch_fill_next_token_bitmask(matchers, mask, [i for i, _ in rows])
+            return mask
+        self._filling = self._filler.submit(fill)
+        return self._filling
+
+    def _wait_fill(self) -> None:
+        if self._filling is not None:
+            wait([self._filling])
+            self._filling = None
 
     def forget(self, seq: Sequence) -> None:
         self.matchers.pop(seq.seq_id, None)
 
     def shutdown(self) -> None:
+        self._filler.shutdown(wait=True)
         self.compiler.shutdown()
