@@ -68,11 +68,14 @@ class StepBuffers:
                  "table": max_seqs * max_blocks_per_seq}
         pinned = device.type == "cuda"
         self.device_bufs: dict[str, torch.Tensor] = {}
-        self.host: dict[str, np.ndarray] = {}
+        self.pinned: dict[str, torch.Tensor] = {}  # CUDA: the host mirrors, copy sources
+        self.host: dict[str, np.ndarray] = {}  # what numpy writes: the mirrors, or on CPU the buffers
         for name, (dtype, key) in FIELDS.items():
             buf = torch.zeros(sizes[key], dtype=dtype, device=device)
             host = torch.zeros(sizes[key], dtype=dtype, pin_memory=True) if pinned else buf
             self.device_bufs[name], self.host[name] = buf, host.numpy()
+            if pinned:
+                self.pinned[name] = host
         # Until a step writes them: what a padded row holds (a capture may read any row).
         self.host["slot_mapping"][:] = -1
         self.host["seq_lens"][:] = 1
@@ -140,8 +143,7 @@ class StepBuffers:
         if self.copied is None:
             return  # on CPU numpy wrote the buffers themselves
         for name, count in used.items():
-            self.device_bufs[name][:count].copy_(torch.from_numpy(self.host[name][:count]),
-                                                 non_blocking=True)
+            self.device_bufs[name][:count].copy_(self.pinned[name][:count], non_blocking=True)
         self.copied.record()
 
     def _batch(self, used: dict[str, int], num_decodes: int, width: int, num_tokens: int,
