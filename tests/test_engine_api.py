@@ -126,6 +126,11 @@ def test_token_id_prompts_chat_and_progress_bar(llama_path, capsys):
     by_ids = llm.generate([tok.encode("Old computers")], params, use_tqdm=False)
     assert by_ids[0].outputs[0].token_ids == by_text[0].outputs[0].token_ids
     assert by_ids[0].prompt is None and by_text[0].prompt == "Old computers"
+    by_dict = llm.generate([{"prompt_token_ids": tok.encode("Old computers")},
+                            {"prompt": "Old computers"}], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in by_dict] == [by_text[0].outputs[0].token_ids] * 2
+    with pytest.raises(ValueError, match="'prompt' .* or 'prompt_token_ids'"):
+        llm.generate({"prompt_ids": [1, 2]}, params)
     chat = llm.chat([{"role": "user", "content": "Hi there"}], params, use_tqdm=False)[0]
     rendered = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False,
                                        add_generation_prompt=True)

@@ -10,7 +10,19 @@ from flagserve.engine.llm_engine import LLMEngine
 from flagserve.engine.outputs import RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+# A string, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
+Prompt = str | list[int] | dict
+
+
+def _plain(prompt: Prompt) -> str | list[int]:
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]
+    if set(prompt) == {"prompt"}:
+        return prompt["prompt"]
+    raise ValueError(f"a dict prompt takes one key, 'prompt' (text) or 'prompt_token_ids', "
+                     f"got {sorted(prompt)}")
 
 
 class LLM:
@@ -24,11 +36,12 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order. A prompt is a string or token ids."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        """One RequestOutput per prompt, in prompt order. A prompt is a string, token ids, or
+        a dict {"prompt": text} / {"prompt_token_ids": ids} as vLLM's."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_plain(p) for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
