@@ -126,3 +126,23 @@ def test_the_follow_up_turn_reaches_a_tools_template(llama_path):
     text = tok.tokenizer.decode(ids)
     assert text == ('TOOLS:weather;<user>Weather?</user><assistant><tool_call>weather {"city": "Paris"}'
                     "</tool_call></assistant><tool>sunny</tool>")
+
+
+def test_a_template_blind_to_tools_gets_them_in_the_system_message(llama_path):
+    # The tiny llama's template ignores `tools`: they go into the system message, in the
+    # Hermes format the default parser reads, and the caller's system text stays first.
+    tok = PromptTokenizer(llama_path)
+    assert not tok.template_shows_tools()
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    for messages in ([{"role": "user", "content": "Weather?"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]):
+        text = tok.tokenizer.decode(tok.encode_chat(messages, True, {"tools": tools}))
+        assert '<tools>\n{"type": "function", "function": {"name": "weather"' in text
+        assert "<tool_call>" in text and text.count("Weather?") == 1
+        assert ("Be brief.\n\n# Tools" in text) == (len(messages) == 2)
+    shown = PromptTokenizer(llama_path)
+    shown.tokenizer.chat_template = TOOLS_TEMPLATE
+    assert shown.template_shows_tools()
+    text = shown.tokenizer.decode(shown.encode_chat([{"role": "user", "content": "Hi"}], False,
+                                                    {"tools": tools}))
+    assert text == "TOOLS:weather;<user>Hi</user>"

@@ -19,7 +19,10 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from flagserve.entrypoints.openai.tools import with_tools_in_system
 from flagserve.models.tokenizer import load_tokenizer
+
+PROBE_TOOL = {"type": "function", "function": {"name": "flagserve_probe_tool", "parameters": {}}}
 
 
 class PromptTokenizer:
@@ -31,6 +34,7 @@ class PromptTokenizer:
         self.tokenizer = tokenizer
         self.chars_per_token = max_chars_per_token(tokenizer)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # started on first use
+        self._template_shows_tools: bool | None = None  # probed on the first request with tools
 
     def check_length(self, text: str, max_tokens: int | None) -> None:
         """Refuse, untokenized, a text too long to be `max_tokens` tokens or fewer (None: any)."""
@@ -54,6 +58,10 @@ class PromptTokenizer:
         or the conversation cannot be `max_tokens` tokens or fewer."""
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
+        tools = (template_kwargs or {}).get("tools")
+        if tools and not self.template_shows_tools():
+            template_kwargs = {k: v for k, v in template_kwargs.items() if k != "tools"}
+            messages = with_tools_in_system(messages, tools)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -64,6 +72,17 @@ class PromptTokenizer:
         self.check_length(text, max_tokens)
         # The template writes BOS itself where the model wants it.
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def template_shows_tools(self) -> bool:
+        """Whether the chat template writes the `tools` it is given into the prompt."""
+        if self._template_shows_tools is None:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "hi"}], tokenize=False, tools=[PROBE_TOOL])
+            except Exception:  # noqa: BLE001 - a template that fails on tools does not show them
+                text = ""
+            self._template_shows_tools = PROBE_TOOL["function"]["name"] in text
+        return self._template_shows_tools
 
     async def encode_prompts_async(self, prompts: list[str | list[int]], max_tokens: int | None
                                    ) -> list[list[int]]:

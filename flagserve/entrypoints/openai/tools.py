@@ -2,7 +2,9 @@
 
 - `none`: no tools reach the template, the output is text.
 - `auto`: the tools reach the chat template (apply_chat_template(tools=...)), the model decides,
-  and the model family's parser (tool_parsers.py) finds its calls in the output.
+  and the model family's parser (tool_parsers.py) finds its calls in the output. A template
+  that does not show `tools` (SmolLM2's, Llama 2's) would leave the model unaware of them: the
+  tools then go into the system message in the Hermes format, the default parser's.
 - `required` / a named function: the output is constrained (structured outputs) to a JSON list
   of calls / to the named function's arguments, so the arguments always parse and match the
   function's parameter schema, whatever the model or its template.
@@ -106,3 +108,29 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
             call = {**call, "function": fn}
         fixed.append(call)
     return {**message, "content": message.get("content") or "", "tool_calls": fixed}
+
+
+TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def with_tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+                         ) -> list[dict[str, Any]]:
+    """The tools described in the system message (Qwen2.5's Hermes wording), for templates
+    that do not show them: appended to the caller's system message, or one of its own."""
+    prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
