@@ -4,17 +4,19 @@ One Ray cluster for the module. Each layout runs one mixed batch: greedy prompts
 lengths through a small token budget (chunked prefill next to decodes), a seeded sampled
 request and a penalised one; TP 2 x PP 2 also runs with a KV cache small enough to preempt.
 """
+import re
 import uuid
 
 import pytest
 import ray
 
-from flagserve import LLM, EngineArgs, SamplingParams
+from flagserve import LLM, EngineArgs, SamplingParams, StructuredOutputsParams
 from flagserve.distributed.placement import host_resource
 from tests.conftest import prompt_set
 
 HOST = "10.250.0.9"  # a host label the module's one-node cluster advertises
 
+GRAMMAR_REGEX = "[a-k]{4,12}[.]"
 ENGINE = dict(dtype="float32", attention_backend="torch", max_model_len=128,
               max_num_batched_tokens=32)
 PARAMS = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 5 + [
@@ -22,6 +24,9 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 5 + [
     SamplingParams(temperature=0.8, top_k=20, n=2, seed=3, max_tokens=20, ignore_eos=True),
     SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5, min_tokens=5,
                    max_tokens=20),
+    # The grammar's mask is filled by the engine and sent to the sampling shard with the step.
+    SamplingParams(temperature=0.7, seed=11, max_tokens=20, structured_outputs=StructuredOutputsParams(
+        regex=GRAMMAR_REGEX)),
 ]
 
 
@@ -64,7 +69,9 @@ def test_shards_match_single_process(arch, tp, pp, tiny_model_factory, reference
     llm = LLM(tiny_model_factory(arch), tensor_parallel_size=tp, pipeline_parallel_size=pp,
               **ENGINE, **extra)
     try:
-        assert completions(llm.generate(prompts, PARAMS, use_tqdm=False)) == expected
+        outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+        assert completions(outputs) == expected
+        assert re.fullmatch(GRAMMAR_REGEX, outputs[-1].outputs[0].text)
         stats = llm.llm_engine.get_stats()
         assert stats.forward_seconds > 0
         if preempt:
