@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# A GPU session's checks for the GPU work, in two device calls of under 10 minutes each:
+#
+#   bash benchmarks/gpu_session.sh tests   # the suite that runs without Ray, Hydra, xgrammar
+#   bash benchmarks/gpu_session.sh bench   # attention kernels, then throughput and latency
+#
+# The lent machine's image has torch, triton and transformers only (../shared/DESIGN.md), so
+# the test part runs the engine, kernel and benchmark tests that need nothing else. Logs go
+# to $OUT (the device tool's folder that comes back) or /tmp/flagserve-gpu.
+set -uo pipefail
+if [ "${1:-}" != tests ] && [ "${1:-}" != bench ]; then
+  echo "usage: $0 tests|bench" >&2
+  exit 2
+fi
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+out="${OUT:-/tmp/flagserve-gpu}"
+mkdir -p "$out"
+py="${PYTHON:-python}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
+"$py" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' \
+  >> "$out/gpu.txt" 2>&1
+
+run() {  # name, command...: the command's output in $out/<name>.log, its status in the summary
+  local name="$1"; shift
+  local start=$SECONDS
+  "$@" > "$out/$name.log" 2>&1
+  echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+}
+
+case "$1" in
+  tests)
+    run tests "$py" -m pytest -q -p no:cacheprovider \
+      tests/kernels tests/test_engine_api.py tests/test_hf_parity.py tests/test_cuda_graph_buckets.py \
+      tests/test_sampling.py tests/test_sampling_inputs.py tests/test_scheduling.py \
+      tests/test_prefix_cache.py tests/test_tiny_model.py tests/bench/test_throughput_shapes.py
+    ;;
+  bench)
+    run attention "$py" benchmarks/attention.py --dtype bfloat16
+    run attention_graph "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph --only decode
+    run latency_qwen3 "$py" benchmarks/throughput.py --shape qwen3-0.6b --latency \
+      --input-len 128 128 --output-len 256 256 --dtype bfloat16
+    run latency_qwen3_eager "$py" benchmarks/throughput.py --shape qwen3-0.6b --latency \
+      --input-len 128 128 --output-len 256 256 --dtype bfloat16 --enforce-eager
+    run latency_llama3_8b "$py" benchmarks/throughput.py --shape llama3-8b --latency \
+      --input-len 128 128 --output-len 256 256 --dtype bfloat16
+    run nanovllm_qwen3 "$py" benchmarks/throughput.py --shape qwen3-0.6b --num-seqs 256 \
+      --input-len 100 1024 --output-len 100 1024 --dtype bfloat16
+    ;;
+esac
