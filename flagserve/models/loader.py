@@ -9,7 +9,6 @@ from safetensors import safe_open
 from flagserve.distributed.parallel_state import ParallelContext
 from flagserve.models.config import ModelConfig, model_format
 from flagserve.models.decoder import DecoderForCausalLM
-from flagserve.models.gguf import gguf_tensors
 from kernels import KernelOps
 
 
@@ -60,6 +59,7 @@ def checkpoint_weights(model: str | Path, keep: Callable[[str], bool]
     tensors are dequantized whole (quantized blocks cannot be sliced by column); the weight
     loader then keeps its TP slice."""
     if model_format(model) == "gguf":
+        from flagserve.models.gguf import gguf_tensors  # gguf + numpy: only for a .gguf model
         return ((name, torch.from_numpy(values)) for name, values in gguf_tensors(model, keep))
     return iterate_weights(Path(model), keep)
 

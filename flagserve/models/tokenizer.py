@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from flagserve.models.cache import cache_root
 from flagserve.models.config import model_format, transformers_location
-from flagserve.models.gguf_reader import read_gguf
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -31,6 +30,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
     if model_format(path) == "hf":
         return AutoTokenizer.from_pretrained(str(path))
+    from flagserve.models.gguf_reader import read_gguf  # gguf + numpy: only for a .gguf model
     read_gguf(path)  # a missing or broken file: our one clear error, not transformers' trace
     cached = gguf_tokenizer_cache_dir(Path(path))
     if cached.is_dir():
