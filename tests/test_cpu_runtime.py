@@ -6,7 +6,9 @@ from flagserve.engine.cpu_runtime import (
     owned_cpus,
     parse_cpu_list,
     plan_threads,
+    preload_env,
     replica_cpus,
+    runtime_libraries,
 )
 
 
@@ -14,7 +16,9 @@ def test_an_engine_owning_every_core_binds_one_thread_per_core():
     plan = plan_threads([1, 0], owned=2)
     assert plan == ThreadPlan(2, (0, 1))
     assert plan.env() == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
-                          "OMP_PLACES": "{0},{1}", "OMP_PROC_BIND": "close"}
+                          "OMP_PLACES": "{0},{1}", "OMP_PROC_BIND": "close",
+                          "OMP_WAIT_POLICY": "PASSIVE"}
+    assert "OMP_WAIT_POLICY" not in plan.env({"OMP_WAIT_POLICY": "ACTIVE"})  # the user's stays
 
 
 def test_unset_reservation_means_every_allowed_core():
@@ -25,7 +29,7 @@ def test_an_engine_owning_part_of_the_cores_is_not_bound():
     # Two replicas of one core each on a 2-core host: binding both to core 0 would stack them.
     plan = plan_threads([0, 1], owned=1)
     assert plan == ThreadPlan(1, ())
-    assert "OMP_PLACES" not in plan.env() and plan.env()["OMP_NUM_THREADS"] == "1"
+    assert plan.env() == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # no team to wait for
 
 
 def test_a_reservation_beyond_the_allowed_cores_is_capped():
@@ -59,3 +63,23 @@ def test_owned_cpus_reads_rays_omp_setting():
 @pytest.mark.parametrize("host, replicas, cpus", [(2, 1, 2), (2, 2, 1), (2, 3, 1), (16, 4, 4), (1, 0, 1)])
 def test_replica_cpus_shares_the_host(host, replicas, cpus):
     assert replica_cpus(host, replicas) == cpus
+
+
+def test_preload_puts_found_libraries_first_once():
+    libs = ["/x/libtcmalloc_minimal.so.4", "/v/lib/libiomp5.so"]
+    assert preload_env({}, libs) == {"LD_PRELOAD": "/x/libtcmalloc_minimal.so.4:/v/lib/libiomp5.so"}
+    assert preload_env({"LD_PRELOAD": "/a.so"}, libs[:1]) == {
+        "LD_PRELOAD": "/x/libtcmalloc_minimal.so.4:/a.so"}
+    assert preload_env({"LD_PRELOAD": ":".join(libs)}, libs) == {}  # already there: no re-exec
+    assert preload_env({"FLAGSERVE_CPU_PRELOAD": "0"}, libs) == {}
+    assert preload_env({}, []) == {}  # nothing installed: silently nothing
+
+
+def test_runtime_libraries_finds_what_exists(tmp_path):
+    (tmp_path / "sys").mkdir()
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    assert runtime_libraries(str(tmp_path / "venv"), [str(tmp_path / "sys")]) == []
+    (tmp_path / "sys" / "libtcmalloc_minimal.so.4").touch()
+    (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
+    assert runtime_libraries(str(tmp_path / "venv"), [str(tmp_path / "sys")]) == [
+        str(tmp_path / "sys" / "libtcmalloc_minimal.so.4"), str(tmp_path / "venv" / "lib" / "libiomp5.so")]

@@ -21,6 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 BIND_ENV = "FLAGSERVE_CPU_BIND"
+# Why threads wait passively: OpenMP's default is to spin at every barrier (one per op); when
+# another process takes one of the team's cores, every op then waits a scheduler time slice
+# for the descheduled thread while its partner burns the other core. On the shared 2-core
+# machine that made 2 threads 15x slower than 1 (docs/performance.md, CPU); sleeping at the
+# barrier costs a wake-up per op instead. OMP_WAIT_POLICY=ACTIVE restores spinning.
 
 
 @dataclass(frozen=True)
@@ -28,9 +33,12 @@ class ThreadPlan:
     num_threads: int
     cpus: tuple[int, ...]  # the cores the threads are bound to, one each; () = unbound
 
-    def env(self) -> dict[str, str]:
-        """What the engine process must start with: OpenMP reads it once, at load."""
+    def env(self, current: Mapping[str, str] | None = None) -> dict[str, str]:
+        """What the engine process must start with: OpenMP reads it once, at load. A wait
+        policy already in `current` (the user's) is kept."""
         env = {"OMP_NUM_THREADS": str(self.num_threads), "MKL_NUM_THREADS": str(self.num_threads)}
+        if self.num_threads > 1 and "OMP_WAIT_POLICY" not in (current or {}):
+            env["OMP_WAIT_POLICY"] = "PASSIVE"  # why: the comment above ThreadPlan
         if self.cpus:
             env["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in self.cpus)
             env["OMP_PROC_BIND"] = "close"
@@ -95,3 +103,56 @@ def replica_cpus(host_cpus: int, engine_replicas: int) -> int:
     """Default Ray num_cpus of a CPU engine replica: its share of the host's cores (the
     other deployments of the graph reserve none)."""
     return max(1, host_cpus // max(1, engine_replicas))
+
+
+# tcmalloc and Intel OpenMP, as vLLM's CPU guide recommends: LD_PRELOAD works only for a
+# process that starts with it, so the engine process gets it at spawn (core/process.py) and
+# the benchmarks re-execute themselves with it (benchmarks/_preload.py). Missing libraries
+# are skipped silently. FLAGSERVE_CPU_PRELOAD=0 turns it off.
+PRELOAD_ENV = "FLAGSERVE_CPU_PRELOAD"
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+
+
+def runtime_libraries(prefix: str, search: Sequence[str] = TCMALLOC_DIRS) -> list[str]:
+    """The tcmalloc and Intel OpenMP (PyPI intel-openmp, in the venv's lib/) found here."""
+    found = []
+    for name in TCMALLOC_NAMES:
+        path = next((os.path.join(d, name) for d in search if os.path.exists(os.path.join(d, name))), None)
+        if path:
+            found.append(path)
+            break
+    iomp = os.path.join(prefix, "lib", "libiomp5.so")
+    if os.path.exists(iomp):
+        found.append(iomp)
+    return found
+
+
+def preload_env(env: Mapping[str, str], libraries: Sequence[str]) -> dict[str, str]:
+    """LD_PRELOAD with `libraries` in front of what `env` has (none twice); {} when turned
+    off or nothing is found."""
+    if env.get(PRELOAD_ENV, "1") == "0" or not libraries:
+        return {}
+    current = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
+    wanted = [lib for lib in libraries if lib not in current]
+    if not wanted:
+        return {}
+    return {"LD_PRELOAD": ":".join([*wanted, *current])}
+
+
+def runtime_env(env: Mapping[str, str], prefix: str) -> dict[str, str]:
+    """What a CPU process started with `env` lacks of the engine's thread plan and runtime
+    libraries (tcmalloc, Intel OpenMP from the venv at `prefix`)."""
+    wanted = {**engine_thread_plan(env).env(env), **preload_env(env, runtime_libraries(prefix))}
+    return {k: v for k, v in wanted.items() if env.get(k) != v}
+
+
+def reexec_with_cpu_runtime() -> None:
+    """Restart this Python program once with the engine's CPU runtime (the benchmarks: the
+    same threads, wait policy and libraries as a served engine process); a no-op when it
+    has them all."""
+    import sys
+
+    extra = runtime_env(os.environ, sys.prefix)
+    if extra:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **extra})

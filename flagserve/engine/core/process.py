@@ -31,7 +31,12 @@ from typing import Any
 
 from flagserve.engine.core import wire
 from flagserve.engine.core.loop import Command, EngineDeadError, StepResult, run_steps
-from flagserve.engine.cpu_runtime import apply_thread_plan, engine_thread_plan
+from flagserve.engine.cpu_runtime import (
+    apply_thread_plan,
+    engine_thread_plan,
+    preload_env,
+    runtime_libraries,
+)
 from flagserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -63,7 +68,9 @@ class EngineProcess:
         parent, child = Pipe(duplex=True)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        env.update(engine_thread_plan().env())  # OpenMP reads its settings once, at load
+        env.update(engine_thread_plan(env).env(env))  # OpenMP reads its settings once, at load
+        if _on_cpu(engine_args):
+            env.update(preload_env(env, runtime_libraries(sys.prefix)))  # tcmalloc, Intel OpenMP
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flagserve.engine.core.process", str(child.fileno())],
             pass_fds=(child.fileno(),), env=env)
@@ -164,6 +171,14 @@ class EngineProcess:
     def _kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+def _on_cpu(engine_args: Any) -> bool:
+    device = str(getattr(engine_args, "device", "auto"))
+    if device == "auto":
+        import torch
+        return not torch.cuda.is_available()
+    return device == "cpu"
 
 
 PF_EXITING = 0x4  # Linux task flag: the process has started to exit
