@@ -151,3 +151,38 @@ def test_step_input_sends_the_filled_mask_to_shards():
                          token_bitmask=pool.submit(lambda: mask))
         again = pickle.loads(pickle.dumps(step))
     assert torch.equal(again.token_bitmask, mask) and torch.equal(step.grammar_bitmask(), mask)
+
+
+def test_matchers_follow_tokens_queued_preempted_and_rejected(llama_path):
+    # A token is queued at once and accepted by the next mask's job; a stop token ends the
+    # grammar at once; a token outside the grammar (a bug) is reported by the next advance.
+    import time
+
+    from flagserve.engine.sequence import Sequence
+    from flagserve.engine.structured_outputs.matchers import StructuredOutputs
+    from flagserve.models.tokenizer import load_tokenizer
+    tok = load_tokenizer(llama_path)
+    eos = tok.eos_token_id
+    so = StructuredOutputs(tok, len(tok), [eos])
+    params = constrained(regex="(ab)+")
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    seqs = [Sequence("r", i, [1, 2], 2, params, 0.0) for i in range(3)]
+    so.hold("r", seqs)
+    while not so.release()[0]:
+        time.sleep(0.01)
+
+    def step(tokens: list[int]) -> list:
+        mask = so.bitmask(seqs).result()
+        allowed = [bool(mask[i, t // 32] >> (t % 32) & 1) for i, t in enumerate(tokens)]
+        for seq, t in zip(seqs, tokens):
+            seq.token_ids.append(t)
+        return allowed, so.advance_all(seqs)
+
+    assert step([a, a, a]) == ([True] * 3, ["ok"] * 3)
+    allowed, status = step([b, a, b])
+    assert allowed == [True, False, True] and status == ["ok"] * 3
+    allowed, status = step([eos, b, a])  # the second matcher stayed after its first "a"
+    assert allowed == [True, True, True] and status == ["terminated", "rejected", "ok"]
+    seqs[2].token_ids[2:] = [a]  # preempted and recomputed with fewer tokens: replayed
+    assert so.advance_all([seqs[2]]) == ["ok"] and so.matchers[seqs[2].seq_id].num_seen == 1
+    so.shutdown()

@@ -10,7 +10,7 @@ n > 1 samples has its own matcher.
 from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -31,11 +31,18 @@ class _Held:
 class _Matcher:
     matcher: Any  # xgrammar.GrammarMatcher
     num_accepted: int = 0  # output tokens the matcher has consumed
+    pending: list[int] = field(default_factory=list)  # queued for the next mask's job
+    rejected: bool = False  # the job found the last token outside the grammar
+
+    @property
+    def num_seen(self) -> int:
+        return self.num_accepted + len(self.pending)
 
 
 class StructuredOutputs:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
         self.vocab_size = vocab_size
+        self._stop_ids = frozenset(stop_token_ids)  # the tokens that end a grammar
         self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
         self._held: dict[str, _Held] = {}  # request id -> its sequences, until the grammar is ready
         self.matchers: dict[int, _Matcher] = {}  # seq_id -> matcher
@@ -83,9 +90,10 @@ class StructuredOutputs:
     # Constrained sequences
 
     def sync(self, seq: Sequence) -> Advance:
-        """Bring the sequence's matcher up to its output tokens."""
+        """Bring the sequence's matcher up to its output tokens, now (pending ones included)."""
         m = self.matchers[seq.seq_id]
         out = seq.output_token_ids
+        m.pending.clear()
         if m.num_accepted > len(out):
             m.matcher.reset()
             m.num_accepted = 0
@@ -97,33 +105,31 @@ class StructuredOutputs:
 
     def advance_all(self, seqs: list[Sequence]) -> list[Advance | None]:
         """After each sequence got its new token: where its grammar stands (None when
-        unconstrained). Matchers one token behind, the usual case, accept in one call."""
-        results: list[Advance | None] = [None] * len(seqs)
+        unconstrained). The usual token is only queued: the next mask's job accepts it beside
+        the forward. It came through the mask, so it ends the grammar exactly when it is a stop
+        token; a matcher that rejected its last token (a bug) is reported one step late."""
         self._wait_fill()  # normally done: the sampler waited for it
-        rows, behind = [], []
+        results: list[Advance | None] = [None] * len(seqs)
         for i, seq in enumerate(seqs):
             m = self.matchers.get(seq.seq_id)
             if m is None:
                 continue
-            if m.num_accepted == seq.num_output_tokens - 1:
-                rows.append(i)
-                behind.append(m)
+            if m.rejected:
+                results[i] = "rejected"
+            elif m.num_seen == seq.num_output_tokens - 1:
+                token = seq.token_ids[-1]
+                m.pending.append(token)
+                results[i] = "terminated" if token in self._stop_ids else "ok"
             else:
                 results[i] = self.sync(seq)
-        if rows:
-            import xgrammar as xgr
-            accepted = xgr.BatchGrammarMatcher.batch_accept_token(
-                [m.matcher for m in behind], [seqs[i].token_ids[-1] for i in rows])
-            for i, m, ok in zip(rows, behind, accepted):
-                m.num_accepted += ok
-                results[i] = ("terminated" if m.matcher.is_terminated() else "ok") if ok else "rejected"
         return results
 
     def bitmask(self, seqs: list[Sequence]) -> Future[torch.Tensor] | None:
         """[len(seqs), ceil(vocab / 32)] int32 allowed-token bits for the rows that sample,
-        all ones for unconstrained rows, filled in the background; None when no row is
-        constrained. The matchers are not to be touched until it is done."""
-        rows = [(i, s) for i, s in enumerate(seqs) if s.seq_id in self.matchers]
+        all ones for unconstrained rows; None when no row is constrained. A background job
+        accepts the queued tokens, then fills the rows; the matchers are not to be touched
+        until it is done."""
+        rows = [(i, self.matchers[s.seq_id]) for i, s in enumerate(seqs) if s.seq_id in self.matchers]
         if not rows:
             return None
         import xgrammar as xgr
@@ -133,17 +139,25 @@ class StructuredOutputs:
             self._batch = xgr.BatchGrammarMatcher()
         mask = self._mask[:len(seqs)]
         mask.fill_(-1)  # all ones: unconstrained rows allow everything
-        for _, seq in rows:
-            # advance_all() keeps the matchers up to date; replay only what it has not seen
-            if self.matchers[seq.seq_id].num_accepted != seq.num_output_tokens:
-                self.sync(seq)
-        matchers = [self.matchers[s.seq_id].matcher for _, s in rows]
-
-        def fill() -> torch.Tensor:
-            self._batch.batch_fill_next_token_bitmask(matchers, mask, [i for i, _ in rows])
-            return mask
-        self._filling = self._filler.submit(fill)
+        for i, m in rows:
+            if m.num_seen != seqs[i].num_output_tokens:  # preempted and recomputed, or new
+                self.sync(seqs[i])
+        self._filling = self._filler.submit(self._accept_and_fill, [m for _, m in rows], mask,
+                                            [i for i, _ in rows])
         return self._filling
+
+    def _accept_and_fill(self, matchers: list[_Matcher], mask: torch.Tensor, rows: list[int]
+                         ) -> torch.Tensor:
+        behind = [m for m in matchers if m.pending]
+        if behind:  # one token each, as advance_all queues them
+            accepted = self._batch.batch_accept_token([m.matcher for m in behind],
+                                                      [m.pending[0] for m in behind])
+            for m, ok in zip(behind, accepted):
+                m.num_accepted += ok
+                m.rejected = not ok
+                m.pending.clear()
+        self._batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], mask, rows)
+        return mask
 
     def _wait_fill(self) -> None:
         if self._filling is not None:
@@ -151,6 +165,7 @@ class StructuredOutputs:
             self._filling = None
 
     def forget(self, seq: Sequence) -> None:
+        self._wait_fill()
         self.matchers.pop(seq.seq_id, None)
 
     def shutdown(self) -> None:
