@@ -3,12 +3,13 @@ import pytest
 
 from flagserve.engine.cpu_runtime import (
     ThreadPlan,
+    intel_openmp_library,
     owned_cpus,
     parse_cpu_list,
     plan_threads,
     preload_env,
     replica_cpus,
-    runtime_libraries,
+    tcmalloc_library,
 )
 
 
@@ -75,11 +76,12 @@ def test_preload_puts_found_libraries_first_once():
     assert preload_env({}, []) == {}  # nothing installed: silently nothing
 
 
-def test_runtime_libraries_finds_what_exists(tmp_path):
+def test_runtime_libraries_are_found_where_they_exist(tmp_path):
     (tmp_path / "sys").mkdir()
     (tmp_path / "venv" / "lib").mkdir(parents=True)
-    assert runtime_libraries(str(tmp_path / "venv"), [str(tmp_path / "sys")]) == []
+    assert tcmalloc_library([str(tmp_path / "sys")]) == []
+    assert intel_openmp_library(str(tmp_path / "venv")) == []
     (tmp_path / "sys" / "libtcmalloc_minimal.so.4").touch()
     (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
-    assert runtime_libraries(str(tmp_path / "venv"), [str(tmp_path / "sys")]) == [
-        str(tmp_path / "sys" / "libtcmalloc_minimal.so.4"), str(tmp_path / "venv" / "lib" / "libiomp5.so")]
+    assert tcmalloc_library([str(tmp_path / "sys")]) == [str(tmp_path / "sys" / "libtcmalloc_minimal.so.4")]
+    assert intel_openmp_library(str(tmp_path / "venv")) == [str(tmp_path / "venv" / "lib" / "libiomp5.so")]

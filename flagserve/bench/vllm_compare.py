@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from flagserve.bench.throughput import make_workload
-from flagserve.engine.cpu_runtime import preload_env, runtime_libraries
+from flagserve.engine.cpu_runtime import intel_openmp_library, preload_env, tcmalloc_library
 
 WORKER = Path(__file__).resolve().parents[2] / "benchmarks" / "offline_worker.py"
 CACHE = Path.home() / ".cache" / "flagserve" / "hf-from-gguf"
@@ -55,7 +55,7 @@ def vllm_env(python: str, kv_gib: int) -> dict[str, str]:
     env = {**env, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
            "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"}
     prefix = str(Path(python).resolve().parents[1])
-    return {**env, **preload_env(env, runtime_libraries(prefix))}
+    return {**env, **preload_env(env, tcmalloc_library() + intel_openmp_library(prefix))}
 
 
 class Worker:

@@ -105,27 +105,29 @@ def replica_cpus(host_cpus: int, engine_replicas: int) -> int:
     return max(1, host_cpus // max(1, engine_replicas))
 
 
-# tcmalloc and Intel OpenMP, as vLLM's CPU guide recommends: LD_PRELOAD works only for a
+# tcmalloc (vLLM's CPU guide recommends it with Intel OpenMP): LD_PRELOAD works only for a
 # process that starts with it, so the engine process gets it at spawn (core/process.py) and
-# the benchmarks re-execute themselves with it (benchmarks/_preload.py). Missing libraries
-# are skipped silently. FLAGSERVE_CPU_PRELOAD=0 turns it off.
+# the benchmarks re-execute themselves with it. Missing, it is skipped silently;
+# FLAGSERVE_CPU_PRELOAD=0 turns it off. Intel OpenMP is not preloaded for FlagServe: on top
+# of tcmalloc it measured 3-17% slower than torch's own GNU OpenMP (docs/performance.md, CPU).
 PRELOAD_ENV = "FLAGSERVE_CPU_PRELOAD"
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 
 
-def runtime_libraries(prefix: str, search: Sequence[str] = TCMALLOC_DIRS) -> list[str]:
-    """The tcmalloc and Intel OpenMP (PyPI intel-openmp, in the venv's lib/) found here."""
-    found = []
+def tcmalloc_library(search: Sequence[str] = TCMALLOC_DIRS) -> list[str]:
+    """[path] of the tcmalloc found in `search`, or []."""
     for name in TCMALLOC_NAMES:
-        path = next((os.path.join(d, name) for d in search if os.path.exists(os.path.join(d, name))), None)
-        if path:
-            found.append(path)
-            break
-    iomp = os.path.join(prefix, "lib", "libiomp5.so")
-    if os.path.exists(iomp):
-        found.append(iomp)
-    return found
+        for directory in search:
+            if os.path.exists(path := os.path.join(directory, name)):
+                return [path]
+    return []
+
+
+def intel_openmp_library(prefix: str) -> list[str]:
+    """[path] of Intel OpenMP (PyPI intel-openmp) in the venv at `prefix`, or []."""
+    path = os.path.join(prefix, "lib", "libiomp5.so")
+    return [path] if os.path.exists(path) else []
 
 
 def preload_env(env: Mapping[str, str], libraries: Sequence[str]) -> dict[str, str]:
@@ -140,10 +142,9 @@ def preload_env(env: Mapping[str, str], libraries: Sequence[str]) -> dict[str, s
     return {"LD_PRELOAD": ":".join([*wanted, *current])}
 
 
-def runtime_env(env: Mapping[str, str], prefix: str) -> dict[str, str]:
-    """What a CPU process started with `env` lacks of the engine's thread plan and runtime
-    libraries (tcmalloc, Intel OpenMP from the venv at `prefix`)."""
-    wanted = {**engine_thread_plan(env).env(env), **preload_env(env, runtime_libraries(prefix))}
+def runtime_env(env: Mapping[str, str]) -> dict[str, str]:
+    """What a CPU process started with `env` lacks of the engine's thread plan and tcmalloc."""
+    wanted = {**engine_thread_plan(env).env(env), **preload_env(env, tcmalloc_library())}
     return {k: v for k, v in wanted.items() if env.get(k) != v}
 
 
@@ -153,6 +154,6 @@ def reexec_with_cpu_runtime() -> None:
     has them all."""
     import sys
 
-    extra = runtime_env(os.environ, sys.prefix)
+    extra = runtime_env(os.environ)
     if extra:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **extra})

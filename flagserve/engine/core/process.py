@@ -35,7 +35,7 @@ from flagserve.engine.cpu_runtime import (
     apply_thread_plan,
     engine_thread_plan,
     preload_env,
-    runtime_libraries,
+    tcmalloc_library,
 )
 from flagserve.engine.stats import EngineStats
 
@@ -70,7 +70,7 @@ class EngineProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         env.update(engine_thread_plan(env).env(env))  # OpenMP reads its settings once, at load
         if _on_cpu(engine_args):
-            env.update(preload_env(env, runtime_libraries(sys.prefix)))  # tcmalloc, Intel OpenMP
+            env.update(preload_env(env, tcmalloc_library()))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flagserve.engine.core.process", str(child.fileno())],
             pass_fds=(child.fileno(),), env=env)
