@@ -145,6 +145,26 @@ class BlockManager:
             parent_hash, parent_uid = block.hash, block.uid
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
+    # Blocks whose K/V arrive from another engine (prefill/decode disaggregation)
+
+    def allocate_blocks(self, uses: list[int]) -> list[int]:
+        """Fresh blocks, block i shared by uses[i] sequences; the caller checked they fit."""
+        blocks = [self._allocate() for _ in uses]
+        for block_id, n in zip(blocks, uses):
+            self.blocks[block_id].ref_count = n
+        return blocks
+
+    def register_imported(self, seq: Sequence) -> None:
+        """Enter an imported sequence's full blocks in the prefix cache, once its K/V arrived.
+        Leading blocks a sibling (n > 1) registered already are skipped: their ids stay."""
+        if not self.enable_prefix_caching:
+            return
+        shared = 0
+        while shared < len(seq.block_table) and self.blocks[seq.block_table[shared]].uid:
+            shared += 1
+        seq.num_hashed_blocks = shared
+        self._register_full_blocks(seq, seq.num_computed_tokens // self.block_size)
+
     def free_sequence(self, seq: Sequence) -> None:
         # Tail blocks first, so that a sequence's prefix outlives its tail in the cache;
         # blocks that can never be hit go to the front of the eviction order.

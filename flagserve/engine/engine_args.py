@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
+from flagserve.engine.kv_transfer.config import KVTransferConfig
+
 if TYPE_CHECKING:
     from flagserve.models.config import ModelConfig
 
@@ -40,8 +42,14 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # splits heads, MLP columns and vocabulary within a stage
     pipeline_parallel_size: int = 1  # splits the layers into consecutive stages
     placement_hosts: list[str] | None = None  # per stage: the host (Ray resource "host:<ip>")
+    # Prefill/decode disaggregation: this engine's KV transfer endpoint (a dict from a config
+    # becomes a KVTransferConfig). None: no transfers, unless a transport is given to LLMEngine.
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_transfer, dict):
+            self.kv_transfer = KVTransferConfig(**self.kv_transfer)
+
         def check(ok: bool, name: str, message: str) -> None:
             if not ok:
                 raise ValueError(f"EngineArgs.{name} {message}")

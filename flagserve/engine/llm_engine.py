@@ -11,6 +11,10 @@ from flagserve.engine.detokenizer import IncrementalDetokenizer, find_stop_strin
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.executor import make_executor
 from flagserve.engine.kv_budget import batched_tokens
+from flagserve.engine.kv_transfer.exports import check_handoff_params
+from flagserve.engine.kv_transfer.handoff import RequestHandoff
+from flagserve.engine.kv_transfer.link import link_engine
+from flagserve.engine.kv_transfer.transport import KVEndpoint
 from flagserve.engine.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from flagserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -24,6 +28,7 @@ from flagserve.models.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # an idle engine waits this long for a grammar before the loop looks again
+KV_WAIT_S = 0.05  # likewise for a KV transfer, when transfers are all it has
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -42,6 +47,7 @@ class RequestState:
     metrics: RequestMetrics
     sent_text: list[int]  # per sequence, for DELTA outputs: chars and tokens already returned
     sent_tokens: list[int]
+    error: str | None = None  # the engine ended it (a failed KV transfer)
 
     @property
     def finished(self) -> bool:
@@ -49,7 +55,7 @@ class RequestState:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, kv_transport: KVEndpoint | None = None):
         self.args = args
         self.model_config = cfg = load_model_config(args.model)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
@@ -79,6 +85,8 @@ class LLMEngine:
         self._generation_tokens = 0
         self._num_steps = 0
         self._step_seconds = 0.0
+        # Disaggregation (kv_transfer/): None unless a transport is given or configured.
+        self.kv_transport, self.kv_exports, self.kv_imports = link_engine(self, kv_transport)
 
     # Requests
 
@@ -108,24 +116,68 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
                              f"at most {self.max_model_len - 1} prompt tokens leave room to generate")
         arrival = time.time() if arrival_time is None else arrival_time
-        seqs, detoks = [], []
-        for i in range(params.n):
-            seed = None if params.seed is None else child_seed(params.seed, i)
-            seqs.append(Sequence(request_id, i, list(ids), len(ids), params, arrival, seed))
-            detoks.append(IncrementalDetokenizer.for_prompt(self.tokenizer, len(ids),
-                                                            params.skip_special_tokens))
-        self.requests[request_id] = RequestState(request_id, text, ids, params, seqs, detoks,
-                                                 RequestMetrics(arrival), [0] * params.n, [0] * params.n)
+        seqs = [Sequence(request_id, i, list(ids), len(ids), params, arrival,
+                         None if params.seed is None else child_seed(params.seed, i))
+                for i in range(params.n)]
+        self.new_request_state(request_id, text, ids, params, seqs, RequestMetrics(arrival))
         if params.structured_outputs is not None:
             self.structured.hold(request_id, seqs)  # scheduled once its grammar is compiled
             return
         for seq in seqs:
             self.scheduler.add(seq)
 
+    def new_request_state(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                   seqs: list[Sequence], metrics: RequestMetrics) -> RequestState:
+        detoks = [IncrementalDetokenizer.for_prompt(self.tokenizer, len(ids), params.skip_special_tokens)
+                  for _ in seqs]
+        state = RequestState(request_id, text, ids, params, seqs, detoks, metrics,
+                             [0] * len(seqs), [0] * len(seqs))
+        self.requests[request_id] = state
+        return state
+
+    # Prefill/decode disaggregation (kv_transfer/)
+
+    def add_prefill_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                            arrival_time: float | None = None) -> None:
+        """add_request, then a handoff after the first token: take_handoffs() gives it, the
+        transport serves its KV to a decode engine, and it has no outputs here (unless every
+        sequence ended with its first token: then its final output comes as usual)."""
+        if self.kv_exports is None:
+            raise ValueError("add_prefill_request needs a KV transport (EngineArgs.kv_transfer)")
+        check_handoff_params(params)
+        self.add_request(request_id, prompt, params, arrival_time)
+        self.kv_exports.marked.add(request_id)
+
+    def take_handoffs(self) -> list[RequestHandoff]:
+        """The requests handed off since the last call, for a decode engine's import_request."""
+        return self.kv_exports.take() if self.kv_exports is not None else []
+
+    def import_request(self, handoff: RequestHandoff) -> None:
+        """Continue a prefill engine's request: it waits for blocks, receives its KV over the
+        transport, then decodes; its first output carries the first token."""
+        if self.kv_imports is None:
+            raise ValueError("import_request needs a KV transport (EngineArgs.kv_transfer)")
+        self.kv_imports.add(handoff)
+
+    def _poll_transfers(self) -> list[str]:
+        """Apply finished transfers, start the imports that fit; the requests with outputs."""
+        touched = []
+        for done in self.kv_transport.poll():
+            if done.side == "sent":
+                self.kv_exports.on_done(done)
+            elif (request_id := self.kv_imports.on_done(done)) is not None:
+                touched.append(request_id)
+        self.kv_imports.admit()
+        return touched
+
     def abort(self, request_id: str) -> None:
+        if self.kv_exports is not None and self.kv_exports.abort(request_id):
+            return  # handed off: its blocks are freed now or once the transport has read them
         state = self.requests.pop(request_id, None)
         if state is None:
             return
+        if self.kv_imports is not None and self.kv_imports.drop(request_id):
+            return  # still waiting or fetching: the import frees what it holds
         if self.structured.drop(request_id):  # never scheduled
             for seq in state.seqs:
                 seq.finish_reason, seq.status = FinishReason.ABORT, SequenceStatus.FINISHED
@@ -133,25 +185,29 @@ class LLMEngine:
         for seq in state.seqs:
             if not seq.is_finished:
                 seq.finish_reason = FinishReason.ABORT
-                self._finish(seq)
+                self.finish_sequence(seq)
 
-    def _finish(self, seq: Sequence) -> None:
+    def finish_sequence(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.structured.forget(seq)
         self.step_inputs.release(seq)  # the sampling shard drops its state with the next step
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or (self.kv_exports is not None and self.kv_exports.busy)
 
     # The step
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         failed = self._admit_compiled()
+        if self.kv_transport is not None:
+            failed += self._poll_transfers()  # imported (first token) or failed requests
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.structured.num_held and not failed:
                 self.structured.wait(GRAMMAR_WAIT_S)  # nothing else to run: no busy loop
+            elif self.kv_transport is not None and not failed:
+                self.kv_transport.wait(KV_WAIT_S)
             return self._outputs(failed)
         now = time.time()
         for seq in batch.seqs:
@@ -166,7 +222,7 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         touched = self._process_samples(sampled, output) if output is not None else []
-        outputs = self._outputs(failed + touched)
+        outputs = self._outputs(list(dict.fromkeys(failed + touched)))
         self._num_steps += 1
         self._step_seconds += time.perf_counter() - start
         return outputs
@@ -204,16 +260,18 @@ class LLMEngine:
             state.metrics.first_token_time = state.metrics.first_token_time or now
             state.metrics.last_token_time = now
             self._generation_tokens += 1
-            self._check_stop(seq, state.detokenizers[seq.index], token)
+            self.check_stop(seq, state.detokenizers[seq.index], token)
             if grammar == "rejected":  # the mask allowed only grammar tokens: a bug, not the model
                 logger.error("request %s: token %d is outside its grammar", seq.request_id, token)
                 seq.finish_reason = FinishReason.ABORT
             elif grammar == "terminated" and seq.finish_reason is None:
                 seq.finish_reason = FinishReason.STOP  # complete (ignore_eos, or a stop token id)
             if seq.finish_reason is not None:
-                self._finish(seq)
+                self.finish_sequence(seq)
+            elif self.kv_exports is not None and self.kv_exports.wants(seq):
+                self.kv_exports.park(seq)  # its first token: the decode engine goes on
             touched[seq.request_id] = None
-        return list(touched)
+        return self.kv_exports.hand_off(list(touched)) if self.kv_exports else list(touched)
 
     def _record_logprobs(self, seq: Sequence, row: int, out: SamplerOutput) -> None:
         token = out.token_ids[row]
@@ -227,7 +285,7 @@ class LLMEngine:
             seq.logprobs = []
         seq.logprobs.append(entry)
 
-    def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> None:
+    def check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> None:
         p = seq.params
         may_stop = seq.num_output_tokens >= p.min_tokens
         if may_stop and not p.ignore_eos and token in self.eos_token_ids:
@@ -275,7 +333,7 @@ class LLMEngine:
                 seq.cumulative_logprob, logprobs, seq.finish_reason, seq.stop_reason))
         state.metrics.num_cached_tokens = max(s.num_cached_tokens for s in state.seqs)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, state.metrics, state.metrics.num_cached_tokens)
+                             finished, state.metrics, state.metrics.num_cached_tokens, state.error)
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
@@ -299,3 +357,5 @@ class LLMEngine:
         """Stop the shard workers (TP x PP > 1); the engine is unusable afterwards."""
         self.executor.shutdown()
         self.structured.shutdown()
+        if self.kv_transport is not None:
+            self.kv_transport.close()

@@ -151,6 +151,8 @@ class ModelRunner:
             if new.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(new.seed)
+                if new.generator_state is not None:
+                    gen.set_state(torch.frombuffer(bytearray(new.generator_state), dtype=torch.uint8))
             self.seqs[new.seq_id] = SeqSampling(new.params, new.prompt_token_ids or [], gen)
 
     def sampling_batch(self, step: StepInput) -> SamplingBatch:

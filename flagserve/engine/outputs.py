@@ -56,6 +56,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # why the engine ended the request itself (a failed KV transfer)
 
 
 def merge_completion(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:

@@ -91,10 +91,22 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def park(self, seq: Sequence) -> None:
+        """Take a running sequence off the batch, keeping its blocks (a KV transfer reads them)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PARKED
+
+    def resume(self, seq: Sequence) -> None:
+        """A sequence whose blocks and K/V are in place (imported) joins the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and release its blocks."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.block_manager.free_sequence(seq)
+        elif seq.status == SequenceStatus.PARKED:
             self.block_manager.free_sequence(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)

@@ -10,6 +10,7 @@ from flagserve.engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    PARKED = enum.auto()  # prefilled with its first token, its blocks kept for a KV transfer
     FINISHED = enum.auto()
 
 
@@ -27,6 +28,9 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     seed: int | None = None  # seeded requests: the sampling runner keeps a generator from it
+    # Imported from a prefill engine: the generator's state after the first token (resumed
+    # instead of seeding afresh); exported: the state to hand over.
+    generator_state: bytes | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache

@@ -23,6 +23,7 @@ class NewSeq:
     params: SamplingParams
     seed: int | None  # the sequence's own seed (request seed, or derived for n > 1)
     prompt_token_ids: list[int] | None  # only when penalties need them
+    generator_state: bytes | None = None  # resumes an imported sequence's random stream
 
 
 @dataclass
@@ -73,7 +74,8 @@ class StepInputBuilder:
                 self._known.add(seq.seq_id)
                 step.new_seqs.append(NewSeq(seq.seq_id, seq.params, seq.seed,
                                             seq.token_ids[:seq.num_prompt_tokens]
-                                            if seq.params.has_penalties else None))
+                                            if seq.params.has_penalties else None,
+                                            seq.generator_state))
             start = seq.num_computed_tokens
             step.seq_ids.append(seq.seq_id)
             step.num_new_tokens.append(n)

@@ -102,7 +102,7 @@ def test_wire_round_trips_every_field():
     lp = [{7: Logprob(-0.5, 1, "a"), 9: Logprob(-1.5, 2, None)}]
     completion = CompletionOutput(1, "text", [7, 8], -2.0, lp, "stop", "</s>")
     out = RequestOutput("r1", "prompt", [1, 2, 3], [completion, CompletionOutput(0, "", [], None, None)],
-                        True, filled(RequestMetrics), 3)
+                        True, filled(RequestMetrics), 3, "KV transfer failed")
     stats = filled(EngineStats)
     result = StepResult([out], stats, 123.5, [("bad", ValueError("too long"))])
     back = engine_wire.decode(__import__("pickle").loads(engine_wire.encode(result)))

@@ -32,7 +32,7 @@ def _request(o: RequestOutput) -> tuple:
     metrics = None if m is None else (m.arrival_time, m.first_scheduled_time, m.first_token_time,
                                       m.last_token_time, m.finished_time, m.num_cached_tokens)
     return (o.request_id, o.prompt, o.prompt_token_ids, [_completion(c) for c in o.outputs],
-            o.finished, metrics, o.num_cached_tokens)
+            o.finished, metrics, o.num_cached_tokens, o.error)
 
 
 def encode(result: StepResult) -> bytes:
@@ -51,11 +51,12 @@ def decode(data: Any) -> StepResult:
 
 
 def _decode_request(request_id, prompt, prompt_token_ids, outputs, finished, metrics,
-                    num_cached_tokens) -> RequestOutput:
+                    num_cached_tokens, error) -> RequestOutput:
     completions = []
     for index, text, token_ids, cumulative, lps, finish, stop in outputs:
         if lps is not None:
             lps = [{t: Logprob(*v) for t, v in d.items()} for d in lps]
         completions.append(CompletionOutput(index, text, token_ids, cumulative, lps, finish, stop))
     return RequestOutput(request_id, prompt, prompt_token_ids, completions, finished,
-                         None if metrics is None else RequestMetrics(*metrics), num_cached_tokens)
+                         None if metrics is None else RequestMetrics(*metrics), num_cached_tokens,
+                         error)
