@@ -17,6 +17,8 @@ Action = Literal["run", "stop", "status", "test", "plan", "bench"]
 Ingress = Literal["auto", "engine", "separate"]
 HttpServer = Literal["auto", "replicas", "serve_proxy"]
 EngineCoreMode = Literal["auto", "process", "thread"]
+# How a caller of an engine deployment picks the replica (flagserve/serve/routing/strategy.py)
+RouterStrategy = Literal["prefix_aware", "least_loaded", "round_robin"]
 # "auto" or a key of flagserve/entrypoints/openai/tool_parsers.TOOL_PARSERS (a test keeps the two equal)
 ToolCallParser = Literal["auto", "hermes"]
 Engine = Literal["flagserve"]  # FlagServe runs its own engine (FlagScale's `vllm` maps here)
@@ -170,6 +172,21 @@ class TokenizerResources(ResourcesConfig):
 
 
 @dataclass
+class RouterConfig:
+    """Which engine replica a request goes to, when a caller routes to them (README, Routing)."""
+    # prefix_aware: the replica that already holds the prompt's leading KV blocks, unless it
+    # is more than max_imbalance busier than the least loaded; least_loaded; round_robin.
+    strategy: RouterStrategy = "prefix_aware"
+    prefix_blocks: int = 32  # leading blocks (block_size tokens each) hashed per prompt
+    # prefix_aware: how much busier (in load units) the replica holding the prefix may be
+    # than the least loaded one and still get the request
+    max_imbalance: float = 8.0
+    # load = ongoing requests + kv_usage_weight x KV cache usage (0..1) of the replica
+    kv_usage_weight: float = 8.0
+    stats_period_s: float = 1.0  # how often each replica reports running/waiting/KV usage
+
+
+@dataclass
 class LLMModule:
     """A model served by FlagServe's engine: one engine deployment; its prompts are tokenized
     in the ingress, or by a tokenizer deployment of their own when tokenizer.num_replicas > 0."""
@@ -182,6 +199,7 @@ class LLMModule:
     tiny_model: Arch | None = None
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tokenizer: TokenizerResources = field(default_factory=TokenizerResources)
+    router: RouterConfig = field(default_factory=RouterConfig)  # choice among engine replicas
     depends: list[str] = field(default_factory=list)  # user modules that preprocess requests
     # Where each replica's step loop runs: process | thread (why: flagserve/engine/core);
     # auto: process, or thread with TP x PP > 1 (the replica drives the shard workers itself).

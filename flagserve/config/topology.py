@@ -17,13 +17,24 @@ from flagserve.engine.engine_args import EngineArgs
 
 
 def ingress_in_engine(config: Config) -> str | None:
-    """The LLM module whose engine replicas also serve HTTP (deploy.ingress), or None."""
+    """The LLM module whose engine replicas also serve HTTP (deploy.ingress), or None.
+
+    `auto` keeps the ingress out of the engine when the engine has several replicas: only a
+    caller that has read and tokenized the request can route it by its prefix (serve.<id>.
+    router); the kernel (SO_REUSEPORT) and Serve's proxy pick a replica before the body."""
     deploy = config.deploy
     if deploy.ingress == "separate" or len(config.llms) != 1:
         return None
-    if deploy.ingress == "auto" and deploy.ingress_replicas != 1:
+    module_id, module = next(iter(config.llms.items()))
+    if deploy.ingress == "auto" and (deploy.ingress_replicas != 1 or several_replicas(module)):
         return None
-    return next(iter(config.llms))
+    return module_id
+
+
+def several_replicas(module: LLMModule) -> bool:
+    """Whether the module's engine can have more than one replica (fixed or autoscaled)."""
+    res = module.resources
+    return max(res.num_replicas, res.max_replicas or 0) > 1
 
 
 def ingress_autoscales(config: Config) -> bool:

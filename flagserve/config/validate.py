@@ -12,7 +12,15 @@ from pathlib import Path
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
-from flagserve.config.schema import PARALLEL_ARGS, ApiLimits, Config, LLMModule, ResourcesConfig, UserModule
+from flagserve.config.schema import (
+    PARALLEL_ARGS,
+    ApiLimits,
+    Config,
+    LLMModule,
+    ResourcesConfig,
+    RouterConfig,
+    UserModule,
+)
 from flagserve.config.topology import engine_args_for, ingress_autoscales, served_names, uses_gpu
 from flagserve.models.architectures import GGUF_ARCHITECTURES, HF_ARCHITECTURES
 from flagserve.models.config import ModelConfig, load_model_config, model_format
@@ -91,6 +99,7 @@ def validate_graph(config: Config, hosts: list[Host]) -> None:
                                       f"{name!r} is also served by serve.{names[name]}",
                                       f"set a distinct serve.{module_id}.model_name")
             _check_resources(f"serve.{module_id}.tokenizer", module.tokenizer, min_replicas=0)
+            _check_router(f"serve.{module_id}.router", module.router)
         else:
             _check_user_module(module_id, module)
         _check_resources(f"serve.{module_id}.resources", module.resources)
@@ -211,6 +220,16 @@ def _check_resources(path: str, res: ResourcesConfig, min_replicas: int = 1) -> 
             raise ConfigError(f"{path}.{name}", f"must be >= 0, got {value}", "e.g. 1")
     if res.max_ongoing_requests is not None and res.max_ongoing_requests < 1:
         raise ConfigError(f"{path}.max_ongoing_requests", "must be >= 1", "e.g. 256")
+
+
+def _check_router(path: str, router: RouterConfig) -> None:
+    default = RouterConfig()
+    for name, low, strict in (("prefix_blocks", 1, False), ("max_imbalance", 0, False),
+                              ("kv_usage_weight", 0, False), ("stats_period_s", 0, True)):
+        value = getattr(router, name)
+        if value < low or (strict and value == low):
+            raise ConfigError(f"{path}.{name}", f"must be {'>' if strict else '>='} {low}, got {value}",
+                              f"e.g. {getattr(default, name)} (the default)")
 
 
 def _check_depends(config: Config) -> None:

@@ -5,10 +5,11 @@ deploy.ingress = engine (the default with one LLM module): every engine replica 
     <id>-engine (OpenAI API, tokenizes, engine in process) -> [user modules, dependencies first]
                                                           (-> shard workers, TP x PP)
 
-deploy.ingress = separate (several LLM modules, or ingress_replicas > 1):
+deploy.ingress = separate (several LLM modules, several engine replicas, or ingress_replicas > 1):
 
     ingress (OpenAI API, tokenizes) -> [user modules of the model, dependencies first]
                                     -> <id>-engine (-> shard workers, TP x PP)
+                                       the replica picked by serve.<id>.router (serve/routing)
 
 HTTP reaches the ingress replicas straight (deploy.http_server = replicas, the default on one
 host: each listens on host:port) or through Ray Serve's proxy on the head (serve_proxy).
@@ -18,10 +19,12 @@ tokenizing, and every engine replica pushes its metrics to `metrics` (one replic
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
 from flagserve.config.hostfile import Host
@@ -38,7 +41,8 @@ from flagserve.engine.cpu_runtime import replica_cpus
 from flagserve.entrypoints.openai.ingress import ModelRoute, OpenAIIngress
 from flagserve.serve.engine_clients import LocalEngineSpec, RemoteEngineSpec
 from flagserve.serve.engine_deployment import EngineDeployment
-from flagserve.serve.metrics_hub import MetricsHub
+from flagserve.serve.metrics_hub import HUB_NAME, MetricsHub
+from flagserve.serve.routing.ray_router import EngineRouter
 from flagserve.serve.tokenizer_deployment import TokenizerDeployment
 from flagserve.serve.user_module import UserModuleDeployment
 
@@ -86,6 +90,19 @@ def engine_options(module: LLMModule, hosts: list[Host], cpu_engines: int = 1) -
     return {**options, "health_check_period_s": ENGINE_HEALTH_CHECK_S}
 
 
+def router_config(module: LLMModule, model_name: str, block_size: int) -> RequestRouterConfig:
+    """How the ingress's handle picks among this module's engine replicas (serve.<id>.router;
+    why Serve's extension point: flagserve/serve/routing/ray_router.py)."""
+    router = module.router
+    return RequestRouterConfig(
+        request_router_class=EngineRouter,
+        request_router_kwargs={"router": dataclasses.asdict(router), "block_size": block_size,
+                               "model_name": model_name},
+        request_routing_stats_period_s=router.stats_period_s,
+        # Serve's default (30 s) would keep a hung replica's stale load for that long.
+        request_routing_stats_timeout_s=max(5.0, 5 * router.stats_period_s))
+
+
 def cpu_engine_replicas(config: Config, hosts: list[Host]) -> int:
     """Engine replicas that run a model on this host's CPU cores (at most, when autoscaled)."""
     return sum(max(m.resources.num_replicas, m.resources.max_replicas or 0)
@@ -116,7 +133,7 @@ def dependency_order(config: Config, module_id: str) -> list[str]:
 def build_app(config: Config, hosts: list[Host]) -> Application:
     stop = shutdown_options(config)
     hub = serve.deployment(MetricsHub).options(
-        name="metrics", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
+        name=HUB_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
     users = {
         mid: serve.deployment(UserModuleDeployment).options(
             name=mid, **deployment_options(m.resources, num_cpus=0), **stop
@@ -138,7 +155,8 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
             engine = LocalEngineSpec(mid, names[0], engine_args, engine_core_mode(module))
         else:
             engine = RemoteEngineSpec(serve.deployment(EngineDeployment).options(
-                name=f"{mid}-engine", **engine_options(module, hosts, cpu_engines), **stop
+                name=f"{mid}-engine", **engine_options(module, hosts, cpu_engines), **stop,
+                request_router_config=router_config(module, names[0], engine_args["block_size"])
             ).bind(mid, names[0], engine_args, hub, engine_core_mode(module)))
         routes.append(ModelRoute(mid, names, engine, tokenizer_path, tokenizer,
                                  [(d, users[d]) for d in dependency_order(config, mid)],

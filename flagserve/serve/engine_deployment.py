@@ -16,8 +16,6 @@ message per step; they die with the replica.
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,10 +28,7 @@ from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.outputs import RequestOutput, merge_deltas
 from flagserve.entrypoints.openai.engine_client import EngineChunk, EngineRequest, ModelInfo
 from flagserve.serve.metrics import EngineMetrics
-
-log = logging.getLogger(__name__)
-PUSH_INTERVAL_S = 0.5
-HEARTBEAT_S = 10.0
+from flagserve.serve.metrics_hub import push_forever
 
 
 class EngineDeployment:
@@ -93,17 +88,15 @@ class EngineDeployment:
 
     async def _push_metrics(self) -> None:
         key = (self.info_.model_name, self.replica)
-        last, last_time = None, 0.0
-        while True:
-            snap = self.metrics.snapshot(self.async_engine.stats)
-            # Push on change, and as a heartbeat so the hub knows this replica is alive.
-            if snap != last or time.monotonic() - last_time > HEARTBEAT_S:
-                try:
-                    await self.metrics_hub.push.remote(key, snap)
-                    last, last_time = snap, time.monotonic()
-                except Exception:  # noqa: BLE001 - metrics must never break serving
-                    log.warning("pushing metrics failed", exc_info=True)
-            await asyncio.sleep(PUSH_INTERVAL_S)
+        await push_forever(lambda: self.metrics.snapshot(self.async_engine.stats),
+                           lambda snap: self.metrics_hub.push.remote(key, snap))
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """The load routers weigh (serve/routing), asked for by Ray Serve every
+        serve.<id>.router.stats_period_s and handed to every caller's router."""
+        stats = self.async_engine.stats
+        return {"running": stats.num_running, "waiting": stats.num_waiting,
+                "kv_usage": stats.kv_cache_usage}
 
     def shutdown(self) -> None:
         """Stop the step loop (and the engine process or shard workers); idempotent."""

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
@@ -173,7 +175,10 @@ class _SnapshotCollector:
             yield fam
 
 
-def render(snapshots: dict[tuple[str, str], dict]) -> bytes:
+def render(snapshots: dict[tuple[str, str], dict], extra: Iterable[Any] = ()) -> bytes:
+    """The engines' snapshots, and any `extra` collectors (the routers'), in Prometheus format."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(snapshots))
+    for collector in extra:
+        registry.register(collector)
     return generate_latest(registry)

@@ -1,25 +1,55 @@
-"""The metrics deployment (one replica): latest snapshot of every engine replica -> /metrics.
+"""The metrics deployment (one replica): latest snapshot of every engine replica and every
+router -> /metrics.
 
-Engine replicas push; a scrape of /metrics on any ingress replica then sees all engines,
-however many replicas autoscaling has started.
+Engine replicas and routers push; a scrape of /metrics on any ingress replica then sees all
+of them, however many replicas autoscaling has started.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from flagserve.serve.metrics import render
+from flagserve.serve.metrics_router import RouterCollector
 
+log = logging.getLogger(__name__)
+HUB_NAME = "metrics"  # the deployment's name in the application
 STALE_AFTER_S = 60.0  # a replica that stopped pushing (scaled down, crashed) drops out
+PUSH_INTERVAL_S = 0.5
+HEARTBEAT_S = 10.0  # pushed unchanged this often, so the hub knows the pusher is alive
 
 
 class MetricsHub:
     def __init__(self) -> None:
         self.snapshots: dict[tuple[str, str], tuple[float, dict]] = {}
+        self.routers: dict[tuple[str, str], tuple[float, dict]] = {}
 
     async def push(self, key: tuple[str, str], snapshot: dict) -> None:
         self.snapshots[tuple(key)] = (time.monotonic(), snapshot)
 
+    async def push_router(self, key: tuple[str, str], snapshot: dict) -> None:
+        self.routers[tuple(key)] = (time.monotonic(), snapshot)
+
     async def render(self) -> bytes:
-        now = time.monotonic()
-        live = {k: s for k, (t, s) in self.snapshots.items() if now - t < STALE_AFTER_S}
-        return render(live)
+        return render(_live(self.snapshots), [RouterCollector(_live(self.routers))])
+
+
+def _live(pushed: dict[tuple[str, str], tuple[float, dict]]) -> dict[tuple[str, str], dict]:
+    now = time.monotonic()
+    return {k: s for k, (t, s) in pushed.items() if now - t < STALE_AFTER_S}
+
+
+async def push_forever(snapshot: Callable[[], dict], push: Callable[[dict], Awaitable]) -> None:
+    """Push `snapshot()` on change, and as a heartbeat; failures are logged, never raised."""
+    last, last_time = None, 0.0
+    while True:
+        snap = snapshot()
+        if snap != last or time.monotonic() - last_time > HEARTBEAT_S:
+            try:
+                await push(snap)
+                last, last_time = snap, time.monotonic()
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                log.warning("pushing metrics failed", exc_info=True)
+        await asyncio.sleep(PUSH_INTERVAL_S)

@@ -61,9 +61,15 @@ def test_ingress_and_http_server_modes():
     assert resolved("experiment.runner.deploy.ingress_replicas=2") == (None, True)
     assert resolved("experiment.runner.deploy.ingress=separate") == (None, True)
     assert resolved("experiment.runner.deploy.http_server=serve_proxy") == ("llm", False)
-    # Autoscaling needs Serve's request counts, so auto picks the proxy.
+    # Several engine replicas: a separate ingress, whose handle routes by prefix and load
+    # (serve.llm.router) and whose calls autoscaling counts, so it can listen itself.
     autoscaled = ("serve.llm.resources.min_replicas=1", "serve.llm.resources.max_replicas=2")
-    assert resolved(*autoscaled) == ("llm", False)
+    assert resolved(*autoscaled) == (None, True)
+    assert resolved("serve.llm.resources.num_replicas=2") == (None, True)
+    assert resolved("serve.llm.resources.num_replicas=2", "experiment.runner.deploy.ingress=engine") \
+        == ("llm", True)
+    # The engine replicas serve HTTP and autoscale: Serve's request counts need its proxy.
+    assert resolved(*autoscaled, "experiment.runner.deploy.ingress=engine") == ("llm", False)
     assert resolved("+serve.other.engine_args.model=x", "+serve.other.model_name=o") == (None, True)
 
 
@@ -111,9 +117,16 @@ def test_tokenizer_deployment_is_optional(capsys):
      "auto, replicas, serve_proxy"),
     (["experiment.runner.deploy.ingress=engine", "experiment.runner.deploy.ingress_replicas=2"],
      "experiment.runner.deploy.ingress_replicas", "resources.num_replicas"),
-    (["experiment.runner.deploy.http_server=replicas", "serve.llm.resources.min_replicas=1",
-      "serve.llm.resources.max_replicas=2"], "experiment.runner.deploy.http_server", "autoscaling"),
+    (["experiment.runner.deploy.http_server=replicas", "experiment.runner.deploy.ingress=engine",
+      "serve.llm.resources.min_replicas=1", "serve.llm.resources.max_replicas=2"],
+     "experiment.runner.deploy.http_server", "autoscaling"),
     (["serve.llm.engine_core=fork"], "serve.llm.engine_core", "auto, process, thread"),
+    (["serve.llm.router.strategy=random"], "serve.llm.router.strategy",
+     "prefix_aware, least_loaded, round_robin"),
+    (["serve.llm.router.prefix_blocks=0"], "serve.llm.router.prefix_blocks", "must be >= 1"),
+    (["serve.llm.router.max_imbalance=-1"], "serve.llm.router.max_imbalance", "must be >= 0"),
+    (["serve.llm.router.stats_period_s=0"], "serve.llm.router.stats_period_s", "must be > 0"),
+    (["+serve.llm.router.prefix_len=4"], "serve.llm.router.prefix_len", "did you mean"),
     (["serve.llm.tiny_model=gpt2"], "serve.llm.tiny_model", "llama, mistral, qwen2, qwen3, null"),
     (["experiment.runner.ssh.known_hosts=trust"], "experiment.runner.ssh.known_hosts",
      "strict, auto_add, ignore"),

@@ -1,5 +1,6 @@
-"""Two engine replicas on one host, both listening on the configured port (SO_REUSEPORT):
-new connections reach both, and stop leaves nothing."""
+"""Two engine replicas on one host, both listening on the configured port (SO_REUSEPORT;
+`ingress: engine`, which auto no longer picks for several replicas): new connections reach
+both, and stop leaves nothing."""
 from __future__ import annotations
 
 import re
@@ -15,7 +16,8 @@ def test_two_replicas_share_the_port(tmp_path):
     port = free_port()
     args = ["--config-name", "serve", "serve=tiny", f"experiment.exp_name=test-{uuid.uuid4().hex[:8]}",
             f"experiment.exp_dir={tmp_path}", f"experiment.runner.deploy.port={port}",
-            "serve.llm.resources.num_replicas=2", "serve.llm.engine_args.max_model_len=256",
+            "serve.llm.resources.num_replicas=2", "experiment.runner.deploy.ingress=engine",
+            "serve.llm.engine_args.max_model_len=256",
             "serve.llm.engine_args.cpu_kv_cache_space_gib=0.05"]
     try:
         result = run_py(*args, "action=run", timeout=600)

@@ -1,0 +1,2 @@
+"""Choosing an engine replica per request: pure strategies (strategy.py, prefix.py) and
+their Ray Serve adapter (ray_router.py)."""
