@@ -3,7 +3,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from flagserve.config.topology import direct_http, engine_core_mode, ingress_in_engine, served_names, uses_gpu
+from flagserve.config.topology import (
+    direct_http,
+    engine_core_mode,
+    ingress_in_engine,
+    served_names,
+    several_replicas,
+    uses_gpu,
+)
 from flagserve.runner.deployment import Deployment
 from flagserve.runner.memory import estimate
 from flagserve.runner.placement import place
@@ -56,8 +63,9 @@ def print_plan(deployment: Deployment) -> None:
             print(f"  {mid + '-tokenizer':<24} {_replicas(m.tokenizer):<18} any host (CPU)")
         gpu = uses_gpu(m, hosts)
         layout = f"TP {m.tensor_parallel_size} x PP {m.pipeline_parallel_size}"
+        routed = f", routed {m.router.strategy}" if mid != local and several_replicas(m) else ""
         print(f"  {mid + '-engine':<24} {_replicas(m.resources):<18} {layout}, "
-              f"model {', '.join(served_names(mid, m))}, step loop in a {engine_core_mode(m)}")
+              f"model {', '.join(served_names(mid, m))}, step loop in a {engine_core_mode(m)}{routed}")
         for s in shards[mid]:
             where = f"gpu {','.join(map(str, s.devices))}" if gpu else "cpu"
             print(f"  {'':<24} {'':<18} replica {s.replica} stage {s.stage}: {s.host} {where}")

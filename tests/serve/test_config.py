@@ -73,6 +73,15 @@ def test_ingress_and_http_server_modes():
     assert resolved("+serve.other.engine_args.model=x", "+serve.other.model_name=o") == (None, True)
 
 
+def test_plan_shows_the_router_of_several_engine_replicas(capsys):
+    code, out, err = run(capsys, "serve.llm.resources.num_replicas=2",
+                         "serve.llm.router.strategy=round_robin")
+    assert code == 0, err
+    assert re.search(r"llm-engine\s+2\s.*routed round_robin", out), out
+    code, out, err = run(capsys)  # one replica: nothing to route
+    assert code == 0 and "routed" not in out, err
+
+
 def test_engine_ingress_needs_one_llm(capsys):
     code, _, err = run(capsys, "experiment.runner.deploy.ingress=engine",
                        "+serve.other.tiny_model=qwen2", "+serve.other.model_name=other")
