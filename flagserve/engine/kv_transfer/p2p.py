@@ -10,6 +10,7 @@ peer that dies closes its sockets, so a fetch fails instead of hanging.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -105,8 +106,9 @@ class P2PTransport(KVEndpoint):
         except Exception as err:  # noqa: BLE001 - every fetch fails with this error
             self._connect_error = err
         super()._fetch_loop()
-        if self._store is not None:  # tell the server to stop
-            self._store.set(f"fetch/{self._next}", json.dumps({"close": True}))
+        if self._store is not None:  # tell the server to stop, unless it is gone already
+            with contextlib.suppress(RuntimeError):  # torch.distributed's DistError
+                self._store.set(f"fetch/{self._next}", json.dumps({"close": True}))
 
     def _receive(self, request_id: str, source: str, num_blocks: int) -> torch.Tensor:
         if self._group is None:
@@ -126,5 +128,9 @@ class P2PTransport(KVEndpoint):
     def close(self) -> None:
         super().close()  # the decode side's fetcher sends the server its close message
         if self.rank == PREFILL and self._store is not None and self._server is not None:
-            self._store.set(f"fetch/{self._next}", json.dumps({"close": True}))
+            # Its own connection: the server thread's wait holds the store client's socket.
+            host, port = self.config.host_port
+            with contextlib.suppress(RuntimeError):
+                waker = dist.TCPStore(host, port, None, False, timedelta(seconds=5), wait_for_workers=False)
+                waker.set(f"fetch/{self._next}", json.dumps({"close": True}))
             self._server.join(timeout=5)
