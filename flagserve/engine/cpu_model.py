@@ -1,5 +1,7 @@
 """What a model on CPU gets after loading (issue 16): its linear layers and LM head packed
-for oneDNN (layers/cpu_matmul.py; FLAGSERVE_CPU_MATMUL). GPU models are left alone."""
+for oneDNN (layers/cpu_matmul.py; FLAGSERVE_CPU_MATMUL), and, when asked for
+(FLAGSERVE_CPU_COMPILE=ops, off by default: it measured slower), its elementwise ops
+compiled by inductor (cpu_compile.py). GPU models are left alone."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +10,7 @@ import time
 import torch
 from torch import nn
 
+from flagserve.engine.cpu_compile import compile_cpu_ops, compile_mode
 from flagserve.layers.cpu_matmul import matmul_mode
 
 log = logging.getLogger(__name__)
@@ -21,10 +24,15 @@ def pack_linear_weights(model: nn.Module) -> int:
     return len(layers)
 
 
-def prepare_cpu_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def prepare_cpu_model(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                      enforce_eager: bool = True) -> None:
     if device.type != "cpu":
         return
     if matmul_mode(device, dtype) == "onednn":
         start = time.perf_counter()
         count = pack_linear_weights(model)
         log.info("packed %d weights for oneDNN in %.2f s", count, time.perf_counter() - start)
+    ops = next((m.ops for m in model.modules() if hasattr(m, "ops")), None)
+    if ops is not None and compile_mode(enforce_eager) == "ops":
+        cfg = model.config
+        compile_cpu_ops(model, ops, cfg.hidden_size, cfg.intermediate_size, dtype)

@@ -61,7 +61,7 @@ class ModelRunner:
         self.ops = get_ops(args.attention_backend, self.device)
         self.model = load_model(args.model, cfg, self.ops, self.dtype, self.device, par,
                                 random_weights=args.load_format == "dummy")
-        prepare_cpu_model(self.model, self.device, self.dtype)  # oneDNN weights (issue 16)
+        prepare_cpu_model(self.model, self.device, self.dtype, args.enforce_eager)  # issue 16
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.num_kv_blocks = 0  # set by allocate_kv_cache once every shard's capacity is known
         self.sampler = Sampler(args.seed, self.device) if par.samples else None
