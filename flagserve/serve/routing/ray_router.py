@@ -52,6 +52,9 @@ class EngineRouter(RequestRouter):
         if prefix is None or pending_request is None:
             return [ranked]
         decision = self.strategy.choose(list(loads.values()), prefix)
+        # Recorded now, not once routed: the rest of a burst of a new prefix, chosen before
+        # the first is sent, then follows it instead of spreading by load.
+        self.strategy.routed(decision.replica, prefix)
         self._decided[pending_request.metadata.internal_request_id] = (decision, prefix)
         while len(self._decided) > PENDING_LIMIT:
             self._decided.popitem(last=False)
@@ -66,7 +69,8 @@ class EngineRouter(RequestRouter):
             return
         decision, prefix = entry
         replica = replica_id.unique_id
-        self.strategy.routed(replica, prefix)
+        if replica != decision.replica:  # the chosen one was full: another holds it now
+            self.strategy.routed(replica, prefix)
         self.counts.add(replica, decision.outcome if decision.replica == replica else "fallback")
         if self._reporter is None:
             self._reporter = self._event_loop.create_task(self._report())

@@ -6,9 +6,9 @@ Serve, the unit tests feed them directly.
     least_loaded  the lowest load; equal loads in turn
     prefix_aware  the replica that was sent the longest run of the prompt's leading blocks
                   (its prefix cache likely holds them), unless its load exceeds the lowest
-                  by more than max_imbalance; a prefix nobody was sent: its home replica
-                  (rendezvous hashing: every router picks the same one), within the same
-                  bound; else as least_loaded
+                  by more than max_imbalance; else (a new prefix, or its holders too busy)
+                  as least_loaded, equal loads broken by rendezvous hashing of the prefix
+                  so that idle routers agree
 
 load = ongoing requests (running + waiting) + kv_usage_weight x KV cache usage (0..1): a
 full cache preempts and queues, so it counts as that many requests more.
@@ -121,15 +121,10 @@ class PrefixAware(LeastLoaded):
         if fit:
             best = max(fit, key=lambda r: (depths[r.replica], -self.load(r)))
             return Decision(best.replica, "affinity", depths[best.replica])
-        if prefix and not holders:
-            # A new prefix has a home by its deepest hash (not the first: a chat template's
-            # header block is everyone's), so a burst of it, routed before any of it is
-            # recorded, or routed by other callers, stays together within max_imbalance.
-            home = rendezvous(prefix[-1], [r.replica for r in replicas])
-            if next(self.load(r) for r in replicas if r.replica == home) - low <= self.max_imbalance:
-                return Decision(home, "balance")
-        return Decision(self.lightest(replicas, self._rotation.pick),
-                        "overload" if holders else "balance")
+        # Equal loads and a prefix: the replica its deepest hash ranks first (not the first
+        # block's: a chat template's header is everyone's), the same in every router.
+        tie = (lambda names: rendezvous(prefix[-1], names)) if prefix else self._rotation.pick
+        return Decision(self.lightest(replicas, tie), "overload" if holders else "balance")
 
     def routed(self, replica: str, prefix: Sequence[int]) -> None:
         self.table.insert(prefix, replica)
