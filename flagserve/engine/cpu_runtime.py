@@ -21,11 +21,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 BIND_ENV = "FLAGSERVE_CPU_BIND"
-# Why threads wait passively: OpenMP's default is to spin at every barrier (one per op); when
-# another process takes one of the team's cores, every op then waits a scheduler time slice
-# for the descheduled thread while its partner burns the other core. On the shared 2-core
-# machine that made 2 threads 15x slower than 1 (docs/performance.md, CPU); sleeping at the
-# barrier costs a wake-up per op instead. OMP_WAIT_POLICY=ACTIVE restores spinning.
+# How long OpenMP threads spin at a barrier before they sleep (GNU OpenMP's GOMP_SPINCOUNT;
+# its default spins ~300k iterations). Every op ends at a barrier; when another process takes
+# one of the team's cores, a spinning thread waits out a scheduler time slice for its
+# descheduled partner, op after op: on the shared 2-core machine 2 spinning threads ran 15x
+# slower than 1. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) survives that but pays a wake-up
+# per op, which took all of the second core's gain when the machine was quiet. A short spin
+# keeps most of both (docs/performance.md, CPU: quiet 1.31x one thread, busy 0.68x). The
+# user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+SPIN_COUNT = "10000"
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,9 @@ class ThreadPlan:
         """What the engine process must start with: OpenMP reads it once, at load. A wait
         policy already in `current` (the user's) is kept."""
         env = {"OMP_NUM_THREADS": str(self.num_threads), "MKL_NUM_THREADS": str(self.num_threads)}
-        if self.num_threads > 1 and "OMP_WAIT_POLICY" not in (current or {}):
-            env["OMP_WAIT_POLICY"] = "PASSIVE"  # why: the comment above ThreadPlan
+        current = current or {}
+        if self.num_threads > 1 and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(current):
+            env["GOMP_SPINCOUNT"] = SPIN_COUNT  # why: the comment on SPIN_COUNT
         if self.cpus:
             env["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in self.cpus)
             env["OMP_PROC_BIND"] = "close"
