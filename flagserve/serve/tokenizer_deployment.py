@@ -16,6 +16,7 @@ class TokenizerDeployment:
         return await self.tokenizer.encode_prompts_async(prompts, max_tokens)
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          template_kwargs: dict[str, Any] | None, max_tokens: int | None) -> list[int]:
+                          template_kwargs: dict[str, Any] | None, max_tokens: int | None,
+                          describe_tools: bool = False) -> list[int]:
         return await self.tokenizer.encode_chat_async(messages, add_generation_prompt,
-                                                      template_kwargs, max_tokens)
+                                                      template_kwargs, max_tokens, describe_tools)

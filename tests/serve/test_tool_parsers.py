@@ -136,13 +136,15 @@ def test_a_template_blind_to_tools_gets_them_in_the_system_message(llama_path):
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     for messages in ([{"role": "user", "content": "Weather?"}],
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]):
-        text = tok.tokenizer.decode(tok.encode_chat(messages, True, {"tools": tools}))
+        text = tok.tokenizer.decode(tok.encode_chat(messages, True, {"tools": tools}, None, True))
         assert '<tools>\n{"type": "function", "function": {"name": "weather"' in text
         assert "<tool_call>" in text and text.count("Weather?") == 1
         assert ("Be brief.\n\n# Tools" in text) == (len(messages) == 2)
+        plain = tok.tokenizer.decode(tok.encode_chat(messages, True, {"tools": tools}))
+        assert "<tools>" not in plain  # required / named: the grammar writes the call
     shown = PromptTokenizer(llama_path)
     shown.tokenizer.chat_template = TOOLS_TEMPLATE
     assert shown.template_shows_tools()
     text = shown.tokenizer.decode(shown.encode_chat([{"role": "user", "content": "Hi"}], False,
-                                                    {"tools": tools}))
+                                                    {"tools": tools}, None, True))
     assert text == "TOOLS:weather;<user>Hi</user>"

@@ -79,7 +79,10 @@ FORCED = {"regex": r'Hi <tool_call>\{"name": "flag", "arguments": \{"ok": (true|
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_parses_the_calls_out_of_the_text(url, stream):
-    r = chat(url, tools=TOOLS, tool_choice="auto", structured_outputs=FORCED, stream=stream, max_tokens=60)
+    # One tool: the tiny model's template ignores tools, so auto describes them in the system
+    # message (~350 of its 512 tokens for one).
+    r = chat(url, tools=TOOLS[:1], tool_choice="auto", structured_outputs=FORCED, stream=stream,
+             max_tokens=60)
     if not stream:
         choice = r.json()["choices"][0]
         assert choice["message"]["content"] == "Hi " and len(checked_calls(choice)) == 1

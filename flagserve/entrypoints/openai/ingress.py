@@ -165,7 +165,10 @@ class OpenAIIngress:
         messages = [template_message(m.model_dump(exclude_none=True)) for m in req.messages]
         tools = req.template_tools()
         kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        args = (messages, req.add_generation_prompt, kwargs or None, info.max_model_len - 1)
+        # Only `auto` needs the model to know the tools' format; required and named calls are
+        # written by the grammar, and the description would cost a blind template's context.
+        args = (messages, req.add_generation_prompt, kwargs or None, info.max_model_len - 1,
+                req.tool_mode == "auto")
         try:
             if route.tokenizer is None:
                 return await self.tokenizers[route.module_id].encode_chat_async(*args)

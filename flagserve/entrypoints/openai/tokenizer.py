@@ -53,13 +53,15 @@ class PromptTokenizer:
         return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None, max_tokens: int | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None, max_tokens: int | None = None,
+                    describe_tools: bool = False) -> list[int]:
         """Raises ValueError when the model has no chat template, the template rejects input,
-        or the conversation cannot be `max_tokens` tokens or fewer."""
+        or the conversation cannot be `max_tokens` tokens or fewer. `describe_tools`: a
+        template that does not show the `tools` gets them in the system message (tools.py)."""
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         tools = (template_kwargs or {}).get("tools")
-        if tools and not self.template_shows_tools():
+        if tools and describe_tools and not self.template_shows_tools():
             template_kwargs = {k: v for k, v in template_kwargs.items() if k != "tools"}
             messages = with_tools_in_system(messages, tools)
         try:
@@ -90,14 +92,14 @@ class PromptTokenizer:
         return await self._run(size, self.encode_prompts, prompts, max_tokens)
 
     async def encode_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                                template_kwargs: dict[str, Any] | None, max_tokens: int | None
-                                ) -> list[int]:
+                                template_kwargs: dict[str, Any] | None, max_tokens: int | None,
+                                describe_tools: bool = False) -> list[int]:
         # Content given as parts counts as large: measuring it would cost what it saves. Each
         # message costs the template some work of its own (its role's markup, a loop turn).
         size = sum(max(len(c), 64) if isinstance(c := m.get("content"), str) else INLINE_CHARS
                    for m in messages)
         return await self._run(size, self.encode_chat, messages, add_generation_prompt,
-                               template_kwargs, max_tokens)
+                               template_kwargs, max_tokens, describe_tools)
 
     async def _run(self, size: int, work: Any, *args: Any) -> Any:
         if size <= INLINE_CHARS:
