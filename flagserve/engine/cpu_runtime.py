@@ -21,15 +21,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 BIND_ENV = "FLAGSERVE_CPU_BIND"
-# How long OpenMP threads spin at a barrier before they sleep (GNU OpenMP's GOMP_SPINCOUNT;
-# its default spins ~300k iterations). Every op ends at a barrier; when another process takes
-# one of the team's cores, a spinning thread waits out a scheduler time slice for its
-# descheduled partner, op after op: on the shared 2-core machine 2 spinning threads ran 15x
-# slower than 1. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) survives that but pays a wake-up
-# per op, which took all of the second core's gain when the machine was quiet. A short spin
-# keeps most of both (docs/performance.md, CPU: quiet 1.31x one thread, busy 0.68x). The
-# user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
-SPIN_COUNT = "10000"
+# How OpenMP threads wait at a barrier (one per op). GNU OpenMP spins ~300k iterations by
+# default: when another process takes one of the team's cores, the spinning thread waits out
+# a scheduler time slice for its descheduled partner, op after op (2 threads ran 15x slower
+# than 1 on the shared 2-core machine). A served engine is never alone on its cores (the
+# replica's HTTP and the clients run there too), and served, a short spin (GOMP_SPINCOUNT=
+# 10000) still lost 0.57x to one thread, while a passive wait matched it; offline on a
+# quiet machine the short spin won 1.31x and passive 0.98x (docs/performance.md, CPU).
+# Passive is never the disaster, so it is the default; the user's OMP_WAIT_POLICY or
+# GOMP_SPINCOUNT wins.
+WAIT_POLICY = "PASSIVE"
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class ThreadPlan:
         env = {"OMP_NUM_THREADS": str(self.num_threads), "MKL_NUM_THREADS": str(self.num_threads)}
         current = current or {}
         if self.num_threads > 1 and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(current):
-            env["GOMP_SPINCOUNT"] = SPIN_COUNT  # why: the comment on SPIN_COUNT
+            env["OMP_WAIT_POLICY"] = WAIT_POLICY  # why: the comment on WAIT_POLICY
         if self.cpus:
             env["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in self.cpus)
             env["OMP_PROC_BIND"] = "close"
