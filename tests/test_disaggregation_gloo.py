@@ -71,6 +71,8 @@ def run_pair(path: str, started: list, die: bool = False) -> tuple[dict, tuple |
         elif kind == "free":
             free = value
         if die and len(handoffs) + len(got) == len(requests()) and child.is_alive():
+            # Once the two have met: a peer that never came up is the connect timeout's case.
+            assert decode.kv_transport.connected.wait(TIMEOUT_S)
             control.put("die")  # the prefill process goes away before any KV is fetched
             child.join(TIMEOUT_S)
         if not die or not child.is_alive():

@@ -46,6 +46,8 @@ class P2PTransport(KVEndpoint):
         self._next = 0  # index of the next message (the decode side assigns, both count)
         self._server: threading.Thread | None = None
         self._connect_error: Exception | None = None
+        self._lost: Exception | None = None  # why the link broke, once it has
+        self.connected = threading.Event()  # set once both ranks have met
 
     def bind(self, caches: KVCaches) -> None:
         super().bind(caches)
@@ -64,6 +66,7 @@ class P2PTransport(KVEndpoint):
         timeout = timedelta(seconds=self.config.timeout_s)
         self._group = make_group(dist.PrefixStore("kv-group", self._store), self.rank, self.mode, timeout)
         self._store.set_timeout(timeout)
+        self.connected.set()
 
     # Prefill side: one server thread answering fetches in order
 
@@ -114,15 +117,23 @@ class P2PTransport(KVEndpoint):
         if self._group is None:
             raise RuntimeError(f"not connected to the prefill engine at {self.config.address}: "
                                f"{self._connect_error}")
+        if self._lost is not None:  # the link failed once: the peer's messages are out of step
+            raise RuntimeError(f"the link to the prefill engine at {self.config.address} failed "
+                               f"earlier: {self._lost}")
         n = self._next
         self._next += 1
-        self._store.set(f"fetch/{n}", json.dumps({"request_id": request_id, "num_blocks": num_blocks}))
-        reply = json.loads(self._store.get(f"reply/{n}"))
-        self._store.delete_key(f"reply/{n}")
+        try:
+            self._store.set(f"fetch/{n}", json.dumps({"request_id": request_id, "num_blocks": num_blocks}))
+            reply = json.loads(self._store.get(f"reply/{n}"))
+            self._store.delete_key(f"reply/{n}")
+            if reply["error"] is None:
+                data = self.caches.empty(num_blocks)
+                self._group.recv([data], PREFILL, n % 2**31).wait()
+        except Exception as err:  # a dead or stuck peer: fail the rest at once, not timeout_s each
+            self._lost = err
+            raise
         if reply["error"] is not None:
             raise RuntimeError(reply["error"])
-        data = self.caches.empty(num_blocks)
-        self._group.recv([data], PREFILL, n % 2**31).wait()
         return data
 
     def close(self) -> None:
