@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from itertools import count
 from pathlib import Path
 
 import yaml
@@ -195,6 +196,8 @@ def logical_cpus(config) -> int:
 
 def _link_ray_logs(paths: ExpPaths, target: Path) -> None:
     link = paths.logs / "ray"
+    if link.is_dir() and not link.is_symlink():  # an earlier run's logs, kept at its stop
+        link.rename(next(p for n in count(1) if not (p := link.with_name(f"ray.{n}")).exists()))
     link.unlink(missing_ok=True)
     link.symlink_to(target, target_is_directory=True)
 
