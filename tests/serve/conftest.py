@@ -20,6 +20,12 @@ def run_py(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def tiny_serve_args(exp_dir: Path, port: int, *overrides: str) -> list[str]:
+    """run.py arguments of a tiny-model experiment of its own (name, folder, port)."""
+    return ["--config-name", "serve", "serve=tiny", f"experiment.exp_name=test-{uuid.uuid4().hex[:8]}",
+            f"experiment.exp_dir={exp_dir}", f"experiment.runner.deploy.port={port}", *overrides]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,10 +67,8 @@ PATHS = {
 def deployment(request, tmp_path_factory) -> Deployment:
     exp_dir = tmp_path_factory.mktemp("exp")
     port = free_port()
-    args = [
-        "--config-name", "serve", "serve=tiny",
-        f"experiment.exp_name=test-{uuid.uuid4().hex[:8]}", f"experiment.exp_dir={exp_dir}",
-        f"experiment.runner.deploy.port={port}", f"experiment.runner.deploy.api_key={API_KEY}",
+    args = tiny_serve_args(
+        exp_dir, port, f"experiment.runner.deploy.api_key={API_KEY}",
         # CLI overrides under test: renamed model, smaller context and batch.
         "serve.llm.model_name=tiny-test", "serve.llm.engine_args.max_model_len=512",
         "serve.llm.engine_args.max_num_seqs=16",
@@ -72,7 +76,7 @@ def deployment(request, tmp_path_factory) -> Deployment:
         "+serve.retriever.module=examples/custom_graph/retriever.py",
         "+serve.retriever.name=Retriever", "serve.llm.depends=[retriever]",
         *PATHS[request.param],
-    ]
+    )
     try:
         result = run_py(*args, "action=run", timeout=600)
         assert result.returncode == 0, f"run failed:\n{result.stdout}\n{result.stderr}"

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import re
 import time
-import uuid
 
 import requests
 
-from tests.serve.conftest import free_port, kill_recorded, run_py
+from tests.serve.conftest import free_port, kill_recorded, run_py, tiny_serve_args
 
 PREFIXES = 12  # distinct shared prefixes: 12 all on one replica would be a 1-in-2048 chance
 REPEATS = 3  # requests per prefix, sent one after another (loads stay equal)
@@ -37,11 +36,10 @@ def serve_and_measure(tmp_path, strategy: str) -> tuple[float, dict, dict]:
     """Start 2 replicas routed by `strategy`, send the prompts, return the prefix-cache hit
     rate over both engines, requests finished per engine and the router's decisions."""
     port = free_port()
-    args = ["--config-name", "serve", "serve=tiny", f"experiment.exp_name=test-{uuid.uuid4().hex[:8]}",
-            f"experiment.exp_dir={tmp_path / strategy}", f"experiment.runner.deploy.port={port}",
-            "serve.llm.resources.num_replicas=2", f"serve.llm.router.strategy={strategy}",
-            "serve.llm.engine_args.max_model_len=512",
-            "serve.llm.engine_args.cpu_kv_cache_space_gib=0.05"]
+    args = tiny_serve_args(tmp_path / strategy, port, "serve.llm.resources.num_replicas=2",
+                           f"serve.llm.router.strategy={strategy}",
+                           "serve.llm.engine_args.max_model_len=512",
+                           "serve.llm.engine_args.cpu_kv_cache_space_gib=0.05")
     try:
         result = run_py(*args, "action=run", timeout=600)
         assert result.returncode == 0, result.stdout + result.stderr

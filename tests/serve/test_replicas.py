@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import re
 import time
-import uuid
 
 import requests
 
-from tests.serve.conftest import free_port, kill_recorded, run_py
+from tests.serve.conftest import free_port, kill_recorded, run_py, tiny_serve_args
 
 
 def test_two_replicas_share_the_port(tmp_path):
     port = free_port()
-    args = ["--config-name", "serve", "serve=tiny", f"experiment.exp_name=test-{uuid.uuid4().hex[:8]}",
-            f"experiment.exp_dir={tmp_path}", f"experiment.runner.deploy.port={port}",
-            "serve.llm.resources.num_replicas=2", "experiment.runner.deploy.ingress=engine",
-            "serve.llm.engine_args.max_model_len=256",
-            "serve.llm.engine_args.cpu_kv_cache_space_gib=0.05"]
+    args = tiny_serve_args(tmp_path, port, "serve.llm.resources.num_replicas=2",
+                           "experiment.runner.deploy.ingress=engine",
+                           "serve.llm.engine_args.max_model_len=256",
+                           "serve.llm.engine_args.cpu_kv_cache_space_gib=0.05")
     try:
         result = run_py(*args, "action=run", timeout=600)
         assert result.returncode == 0, result.stdout + result.stderr
