@@ -2,6 +2,7 @@
 
 The same prompts and lengths, 32 requests at a time, ignore_eos, greedy; each schema's grammar
 is compiled by a first pass of 4 requests, so the figures are the per-step masking cost only.
+Ends with the ratio of the best (lowest) median ITL of each over the passes.
 
     .venv/bin/python benchmarks/structured_itl.py <model dir> [--reps 2]
 """
@@ -27,6 +28,7 @@ def main() -> None:
     args = p.parse_args()
     tok = AutoTokenizer.from_pretrained(args.model)
     engine = LLMEngine(EngineArgs(model=args.model, dtype="float32", max_num_seqs=CONCURRENCY))
+    medians: dict[str, list[float]] = {"random": [], "json-schema": []}
     for rep in range(args.reps):
         for name in ("random", "json-schema"):  # interleaved: drift in the machine hits both
             samples = build_dataset(name, tok, NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, seed=rep)
@@ -35,9 +37,14 @@ def main() -> None:
                                     max_concurrency=CONCURRENCY, progress=False)
             assert all(r.success and r.output_len == OUTPUT_LEN for r in res)
             itl = [x for r in res for x in r.itl]
+            medians[name].append(statistics.median(itl))
             print(f"{name:12s} rep {rep}: ITL mean {statistics.mean(itl) * 1e3:.3f} ms, median "
-                  f"{statistics.median(itl) * 1e3:.3f} ms, {NUM_PROMPTS * OUTPUT_LEN / dur:.0f} tok/s",
+                  f"{medians[name][-1] * 1e3:.3f} ms, {NUM_PROMPTS * OUTPUT_LEN / dur:.0f} tok/s",
                   flush=True)
+    # The least disturbed pass of each: on a shared machine noise only ever adds time.
+    base, constrained = min(medians["random"]), min(medians["json-schema"])
+    print(f"ITL median, best pass: random {base * 1e3:.3f} ms, json-schema {constrained * 1e3:.3f} ms: "
+          f"{constrained / base:.3f}x ({(constrained / base - 1) * 100:+.1f}%)")
     stats = engine.get_stats()
     print(f"grammar compile requests {stats.structured_output_compile_requests}, "
           f"cache hits {stats.structured_output_cache_hits}")

@@ -62,7 +62,8 @@ def test_owned_cpus_reads_rays_omp_setting():
     assert owned_cpus({"OMP_NUM_THREADS": "x"}) is None
 
 
-@pytest.mark.parametrize("host, replicas, cpus", [(2, 1, 2), (2, 2, 1), (2, 3, 1), (16, 4, 4), (1, 0, 1)])
+@pytest.mark.parametrize("host, replicas, cpus", [(2, 1, 2), (2, 2, 1), (2, 3, 2 / 3), (2, 4, 0.5),
+                                                  (16, 4, 4), (16, 5, 3), (1, 0, 1)])
 def test_replica_cpus_shares_the_host(host, replicas, cpus):
     assert replica_cpus(host, replicas) == cpus
 

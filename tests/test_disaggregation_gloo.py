@@ -116,3 +116,17 @@ def test_prefill_process_gone_fails_its_requests_without_hanging(llama_path, sta
     assert len(transferred) == len(requests()) - 1  # all but "one", which ended in prefill
     assert all(got[r].outputs[0].finish_reason == "abort" for r in transferred)
     assert decode.block_manager.num_free_blocks == BLOCKS
+
+
+@pytest.mark.parametrize("role,peer", [("prefill", "decode"), ("decode", "prefill")])
+def test_waiting_for_a_peer_that_never_comes_fails_with_why(role, peer):
+    """wait_connected (what a server sets): the engine fails to start after connect_timeout_s
+    instead of serving requests that would wait for a link."""
+    from flagserve.engine.kv_transfer.config import KVTransferConfig
+    from flagserve.engine.kv_transfer.p2p import P2PTransport
+    config = KVTransferConfig(role, "gloo", f"127.0.0.1:{free_port()}", connect_timeout_s=2,
+                              wait_connected=True)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"no {peer} engine connected to the KV endpoint .* within 2 s"):
+        P2PTransport(config, cuda=False).bind(None)
+    assert time.monotonic() - start < 10

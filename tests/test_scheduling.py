@@ -89,3 +89,19 @@ def test_requests_join_and_leave_every_step(llama_path):
     while engine.has_unfinished():
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_queued_prompt_tokens_count_what_is_left_to_prefill(llama_path):
+    """What a prefill role autoscales on (serve/autoscaling.py): prompt tokens not yet computed."""
+    engine = LLMEngine(EngineArgs(model=llama_path, dtype="float32", max_num_batched_tokens=24,
+                                  enable_prefix_caching=False))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", list(range(5, 45)), params)  # 40 tokens
+    engine.add_request("b", list(range(50, 60)), params)  # 10 tokens
+    assert engine.get_stats().queued_prompt_tokens == 50
+    engine.step()  # 24 of a's 40
+    assert engine.get_stats().queued_prompt_tokens == 26
+    engine.step()  # a's last 16, then 8 of b's 10
+    assert engine.get_stats().queued_prompt_tokens == 2
+    engine.step()  # a decodes; b's last 2: every prompt computed, decodes are not counted
+    assert engine.get_stats().queued_prompt_tokens == 0

@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--range-ratio", type=float, default=0.0)
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: shared tokens")
+    p.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix: distinct prefixes, one drawn per request")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s; inf: all at once")
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int)
@@ -59,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.baselines = [b for b in args.baselines.split(",") if b]
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.num_prefixes < 1:
+        p.error("--num-prefixes must be >= 1")
     for b in args.baselines:
         if b not in BENCH_BASELINES:
             p.error(f"unknown baseline {b!r}; use {', '.join(BENCH_BASELINES)}")
@@ -95,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     s = suite.Settings(args.dataset, args.dataset_path, args.num_prompts, args.input_len,
                        args.output_len, args.range_ratio, args.prefix_len, args.request_rate,
                        args.burstiness, args.max_concurrency, args.endpoint, not args.no_ignore_eos,
-                       args.seed, args.warmup, args.baselines, not args.no_progress, args.repeats)
+                       args.seed, args.warmup, args.baselines, not args.no_progress, args.repeats,
+                       num_prefixes=args.num_prefixes)
     samples, offsets = suite.workload(s, tokenizer)
     rate = "inf" if s.request_rate == float("inf") else s.request_rate
     title = f"{target.model} at {target.root}: {s.dataset} x{len(samples)}, rate {rate}"

@@ -122,17 +122,26 @@ def json_schema_dataset(tokenizer: Any, num_prompts: int, input_len: int, output
 
 
 def shared_prefix_dataset(tokenizer: Any, num_prompts: int, prefix_len: int, input_len: int,
-                          output_len: int, range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
-    """Every request starts with the same `prefix_len`-token system prompt, then `input_len`
-    tokens of its own: what prefix caching is for."""
+                          output_len: int, range_ratio: float = 0.0, seed: int = 0,
+                          num_prefixes: int = 1) -> list[SampleRequest]:
+    """Every request starts with one of `num_prefixes` system prompts of `prefix_len` tokens,
+    drawn at random per request, then `input_len` tokens of its own: what prefix caching is
+    for, and with several prefixes across replicas what prefix-aware routing is for (drawn,
+    not taken in turn, so that round-robin routing does not keep each prefix on one replica
+    by accident)."""
     maker = PromptMaker(tokenizer, seed)
     rng = random.Random(seed)
-    prefix = maker.text(max(1, prefix_len - maker.num_special))
-    base = len(maker.encode(prefix)) + maker.num_special
+    prefixes = [maker.text(max(1, prefix_len - maker.num_special)) for _ in range(num_prefixes)]
     ins = lengths(input_len, range_ratio, num_prompts, rng)
     outs = lengths(output_len, range_ratio, num_prompts, rng)
-    return [SampleRequest(maker.text(n, head=prefix), base + n, o, prefix=prefix)
-            for n, o in zip(ins, outs)]
+    picks = [rng.randrange(num_prefixes) for _ in range(num_prompts)] if num_prefixes > 1 \
+        else [0] * num_prompts
+    samples = []
+    for n, o, k in zip(ins, outs, picks):
+        base = len(maker.encode(prefixes[k])) + maker.num_special
+        samples.append(SampleRequest(maker.text(n, head=prefixes[k]), base + n, o,
+                                     prefix=prefixes[k]))
+    return samples
 
 
 def jsonl_dataset(path: str | Path, num_prompts: int | None, output_len: int | None,
@@ -162,14 +171,15 @@ def jsonl_dataset(path: str | Path, num_prompts: int | None, output_len: int | N
 
 def build_dataset(name: BenchDataset, tokenizer: Any, num_prompts: int, input_len: int,
                   output_len: int, range_ratio: float = 0.0, prefix_len: int = 0,
-                  path: str | None = None, seed: int = 0) -> list[SampleRequest]:
+                  path: str | None = None, seed: int = 0,
+                  num_prefixes: int = 1) -> list[SampleRequest]:
     if name == "random":
         return random_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
     if name == "json-schema":
         return json_schema_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
     if name == "shared-prefix":
         return shared_prefix_dataset(tokenizer, num_prompts, prefix_len, input_len, output_len,
-                                     range_ratio, seed)
+                                     range_ratio, seed, num_prefixes)
     if name == "jsonl":
         if not path:
             raise ValueError("the jsonl dataset needs a path")

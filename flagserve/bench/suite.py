@@ -46,6 +46,7 @@ class Settings:
     baselines: list[BenchBaseline] = field(default_factory=list)
     progress: bool = True
     repeats: int = 1  # passes of the serving_path comparison (each on prompts of seed + pass)
+    num_prefixes: int = 1  # shared-prefix: distinct prefixes, one drawn per request
 
     @classmethod
     def from_config(cls, bench: Any) -> Settings:
@@ -80,7 +81,7 @@ def workload(s: Settings, tokenizer: Any, pass_: int = 0) -> tuple[list[SampleRe
     """The prompts and arrival offsets of one pass (pass p draws with seed + p)."""
     seed = s.seed + pass_
     samples = build_dataset(s.dataset, tokenizer, s.num_prompts, s.input_len, s.output_len,
-                            s.range_ratio, s.prefix_len, s.dataset_path, seed)
+                            s.range_ratio, s.prefix_len, s.dataset_path, seed, s.num_prefixes)
     return samples, arrival_offsets(len(samples), s.request_rate, s.burstiness, seed)
 
 
@@ -179,7 +180,7 @@ def prefix_caching(engine_args: dict[str, Any], tokenizer: Any, s: Settings
                    ) -> tuple[list[Run], dict[str, Any]]:
     """A shared-prefix workload in-process with prefix caching on and off."""
     samples = shared_prefix_dataset(tokenizer, s.num_prompts, s.prefix_len, s.input_len,
-                                    s.output_len, s.range_ratio, s.seed)
+                                    s.output_len, s.range_ratio, s.seed, s.num_prefixes)
     offsets = arrival_offsets(len(samples), s.request_rate, s.burstiness, s.seed)
     runs = []
     for on in (True, False):

@@ -35,6 +35,9 @@ def validate_bench(config: Config) -> None:
             raise ConfigError(f"{KEY}.{name}", f"must be >= 1, got {getattr(b, name)}", "e.g. 128")
     if b.dataset == "shared-prefix" and b.prefix_len < 1:
         raise ConfigError(f"{KEY}.prefix_len", f"must be >= 1, got {b.prefix_len}", "e.g. 512")
+    if b.num_prefixes < 1:
+        raise ConfigError(f"{KEY}.num_prefixes", f"must be >= 1, got {b.num_prefixes}",
+                          "e.g. 8 (prompts then share one of 8 prefixes)")
     if not 0 <= b.range_ratio < 1:
         raise ConfigError(f"{KEY}.range_ratio", f"must be in [0, 1), got {b.range_ratio}", "e.g. 0.5")
     if math.isnan(b.request_rate) or b.request_rate <= 0:

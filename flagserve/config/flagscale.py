@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from flagserve.config.errors import ConfigError
+from flagserve.config.flagscale_disagg import map_disaggregation
 
 # vLLM server/engine flags FlagScale configs carry that have no counterpart here: accepted
 # so such a YAML runs, and listed in a note.
@@ -48,7 +49,7 @@ def normalize(raw: dict[str, Any], engine_arg_names: set[str]) -> tuple[dict[str
         serve[module_id] = _normalize_module(module_id, dict(entry), engine_arg_names,
                                              deploy_moves, notes)
     raw["serve"] = serve
-    _drop_ignored_deploy_keys(raw, notes)
+    _map_deploy_keys(raw, serve, notes)
     if deploy_moves:
         _move_to_deploy(raw, deploy_moves, notes)
     return raw, notes
@@ -107,17 +108,21 @@ def _normalize_engine_args(module_id: str, args: dict[str, Any], names: set[str]
     return out
 
 
-def _drop_ignored_deploy_keys(raw: dict[str, Any], notes: list[str]) -> None:
+def _map_deploy_keys(raw: dict[str, Any], serve: dict[str, Any], notes: list[str]) -> None:
+    """FlagScale's experiment.runner.deploy switches: dropped, or mapped onto the module."""
     experiment = raw.get("experiment")
     runner = experiment.get("runner") if isinstance(experiment, dict) else None
     deploy = runner.get("deploy") if isinstance(runner, dict) else None
-    ignored = sorted(DEPLOY_IGNORED & deploy.keys()) if isinstance(deploy, dict) else []
-    if not ignored:
+    if not isinstance(deploy, dict):
         return
-    deploy = {k: v for k, v in deploy.items() if k not in DEPLOY_IGNORED}
-    raw["experiment"] = {**experiment, "runner": {**runner, "deploy": deploy}}
-    notes.append(f"experiment.runner.deploy: ignoring FlagScale-only {', '.join(ignored)} "
-                 "(FlagServe always deploys with Ray Serve)")
+    ignored = sorted(DEPLOY_IGNORED & deploy.keys())
+    if ignored:
+        notes.append(f"experiment.runner.deploy: ignoring FlagScale-only {', '.join(ignored)} "
+                     "(FlagServe always deploys with Ray Serve)")
+    mapped = map_disaggregation({k: v for k, v in deploy.items() if k not in DEPLOY_IGNORED},
+                                serve, notes)
+    if mapped != deploy:
+        raw["experiment"] = {**experiment, "runner": {**runner, "deploy": mapped}}
 
 
 def _move_to_deploy(raw: dict[str, Any], moves: dict[str, Any], notes: list[str]) -> None:

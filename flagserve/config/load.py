@@ -58,10 +58,19 @@ def _build_module(module_id: str, entry: dict[str, Any]) -> LLMModule | UserModu
                           f"give it {path}.engine_args.model=/path/to/hf_model, or "
                           f"{path}.module=file.py + {path}.name=ClassName")
     module = build(LLMModule, entry, path)
-    hints = typing.get_type_hints(EngineArgs)
-    for key, value in module.engine_args.items():
-        if key not in ENGINE_ARG_NAMES:
-            raise unknown_key_error(f"{path}.engine_args", key, sorted(ENGINE_ARG_NAMES))
-        if value is not None:  # null: EngineArgs' default (model: the tiny model's, later)
-            module.engine_args[key] = coerce(hints[key], value, f"{path}.engine_args.{key}")
+    _check_engine_args(module.engine_args, f"{path}.engine_args")
+    if module.disaggregation is not None:
+        for role in ("prefill", "decode"):
+            _check_engine_args(getattr(module.disaggregation, role).engine_args,
+                               f"{path}.disaggregation.{role}.engine_args")
     return module
+
+
+def _check_engine_args(args: dict[str, Any], path: str) -> None:
+    """Known EngineArgs names with values of their types (converted in place)."""
+    hints = typing.get_type_hints(EngineArgs)
+    for key, value in args.items():
+        if key not in ENGINE_ARG_NAMES:
+            raise unknown_key_error(path, key, sorted(ENGINE_ARG_NAMES))
+        if value is not None:  # null: EngineArgs' default (model: the tiny model's, later)
+            args[key] = coerce(hints[key], value, f"{path}.{key}")

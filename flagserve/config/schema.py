@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from flagserve.engine.kv_transfer.config import KVTransferMode
 from flagserve.models.architectures import Arch
 from flagserve.models.packaged import PackagedModel
 
@@ -119,6 +120,7 @@ class BenchConfig:
     output_len: int = 64  # max_tokens (with ignore_eos: exactly this many)
     range_ratio: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)]
     prefix_len: int = 512  # shared-prefix: tokens of the shared system prompt
+    num_prefixes: int = 1  # shared-prefix: system prompts, one drawn per request
     request_rate: float = float("inf")  # Poisson arrivals per second; inf: all at once
     burstiness: float = 1.0  # gamma shape of the inter-arrival times; 1 = Poisson
     max_concurrency: int | None = None  # requests in flight at most
@@ -187,6 +189,52 @@ class RouterConfig:
 
 
 @dataclass
+class RoleResources:
+    """Ray Serve options of each replica of one role of a disaggregated module."""
+    num_cpus: float | None = None  # default: a CPU engine its share of the host's cores
+    num_gpus: float | None = None  # derived from device and TP x PP
+    max_ongoing_requests: int | None = None  # default: 4 * max_num_seqs
+
+
+@dataclass
+class RoleConfig:
+    """The prefill or the decode side of a disaggregated module: replicas of an engine of
+    its own, built from the module's engine_args with this role's on top."""
+    num_replicas: int = 1
+    # Both set: Ray Serve autoscales the role between them (num_replicas is then ignored), on
+    # its own load: decode on the requests its engines hold (running + waiting), prefill on
+    # the prompt tokens queued in its engines; scale-down drains (README, Autoscaling).
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_running_requests: float | None = None  # decode, per replica; default max_num_seqs
+    # prefill, per replica; default 2 x max_num_batched_tokens (about two steps of prompts)
+    target_queued_tokens: float | None = None
+    resources: RoleResources = field(default_factory=RoleResources)
+    # A hostfile address its replicas run on (pinned with Ray's `host:<address>` resource);
+    # null: wherever Ray finds room. FlagScale's prefill_address / decode_address.
+    host: str | None = None
+    # e.g. a larger max_num_batched_tokens for prefill, more max_num_seqs for decode; what
+    # shapes the KV blocks (model, dtype, block_size) must stay the module's
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DisaggregationConfig:
+    """Prefill/decode disaggregation of one LLM module (README, Prefill/decode
+    disaggregation): prefill replicas run prompts and hand each request, after its first
+    token, to a decode replica, which receives its KV engine to engine over kv_transfer."""
+    prefill: RoleConfig = field(default_factory=RoleConfig)
+    decode: RoleConfig = field(default_factory=RoleConfig)
+    kv_transfer: KVTransferMode = "auto"  # auto: nccl when the engines use GPUs, else gloo
+
+
+Role = Literal["prefill", "decode"]
+# What a role's autoscaling counts per replica (reported by its engines): decode replicas are
+# full when their batch is, prefill replicas when prompts wait for compute.
+ScaleMetric = Literal["running_requests", "queued_prompt_tokens"]
+
+
+@dataclass
 class LLMModule:
     """A model served by FlagServe's engine: one engine deployment; its prompts are tokenized
     in the ingress, or by a tokenizer deployment of their own when tokenizer.num_replicas > 0."""
@@ -200,6 +248,8 @@ class LLMModule:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tokenizer: TokenizerResources = field(default_factory=TokenizerResources)
     router: RouterConfig = field(default_factory=RouterConfig)  # choice among engine replicas
+    # null: one engine does prefill and decode (aggregated); else two roles, two deployments
+    disaggregation: DisaggregationConfig | None = None
     depends: list[str] = field(default_factory=list)  # user modules that preprocess requests
     # Where each replica's step loop runs: process | thread (why: flagserve/engine/core);
     # auto: process, or thread with TP x PP > 1 (the replica drives the shard workers itself).

@@ -8,12 +8,14 @@ validate.py only checks that the answers are possible.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from flagserve.config.hostfile import Host
-from flagserve.config.schema import Config, LLMModule
+from flagserve.config.schema import Config, LLMModule, ResourcesConfig, Role, ScaleMetric
 from flagserve.engine.core.interface import CoreMode
 from flagserve.engine.engine_args import EngineArgs
+from flagserve.engine.kv_budget import DEFAULT_CHUNKED_BATCH_TOKENS
 
 
 def ingress_in_engine(config: Config) -> str | None:
@@ -26,6 +28,8 @@ def ingress_in_engine(config: Config) -> str | None:
     if deploy.ingress == "separate" or len(config.llms) != 1:
         return None
     module_id, module = next(iter(config.llms.items()))
+    if module.disaggregation is not None:  # the ingress carries the handoff between two deployments
+        return None
     if deploy.ingress == "auto" and (deploy.ingress_replicas != 1 or several_replicas(module)):
         return None
     return module_id
@@ -80,3 +84,68 @@ def uses_gpu(module: LLMModule, hosts: list[Host]) -> bool:
     if device == "auto":
         return any(h.num_gpus for h in hosts)
     return device.startswith("cuda")
+
+
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+def role_module(module: LLMModule, role: Role) -> LLMModule:
+    """One role of a disaggregated module as a module of its own: the module's engine_args
+    with the role's on top, the role's replicas and resources. Plan, placement and the app
+    size and place it like any engine."""
+    rc = getattr(module.disaggregation, role)
+    res = rc.resources
+    # A decode replica receives the prompt's KV whatever its own prefix cache holds: its
+    # requests are routed by load; prefix affinity (serve.<id>.router) is the prefill role's.
+    router = module.router if role == "prefill" else \
+        dataclasses.replace(module.router, strategy="least_loaded")
+    return dataclasses.replace(
+        module, engine_args={**module.engine_args, **rc.engine_args}, disaggregation=None,
+        router=router, resources=ResourcesConfig(num_replicas=rc.num_replicas,
+                                                 min_replicas=rc.min_replicas,
+                                                 max_replicas=rc.max_replicas,
+                                                 num_cpus=res.num_cpus, num_gpus=res.num_gpus,
+                                                 max_ongoing_requests=res.max_ongoing_requests))
+
+
+@dataclass(frozen=True)
+class RoleScaling:
+    """What an autoscaled role scales on: Serve keeps sum(metric) / target replicas."""
+    metric: ScaleMetric
+    target: float  # per replica
+
+
+def role_scaling(module: LLMModule, role: Role) -> RoleScaling | None:
+    """The load a role's replicas are autoscaled on, or None for a fixed number of them."""
+    rc = getattr(module.disaggregation, role)
+    if rc.min_replicas is None and rc.max_replicas is None:
+        return None
+    args = {**module.engine_args, **rc.engine_args}
+    if role == "decode":
+        return RoleScaling("running_requests",
+                           rc.target_running_requests
+                           or int(args.get("max_num_seqs", EngineArgs.max_num_seqs)))
+    batch = args.get("max_num_batched_tokens") or DEFAULT_CHUNKED_BATCH_TOKENS
+    return RoleScaling("queued_prompt_tokens", rc.target_queued_tokens or 2 * int(batch))
+
+
+@dataclass
+class EngineGroup:
+    """One engine deployment of the graph: <id>-engine, or <id>-prefill and <id>-decode."""
+    name: str
+    module_id: str
+    module: LLMModule  # for a role: role_module()
+    role: Role | None
+    host: str | None = None  # the role's pinned host (disaggregation.<role>.host)
+
+
+def engine_groups(config: Config) -> list[EngineGroup]:
+    groups = []
+    for mid, module in config.llms.items():
+        if module.disaggregation is None:
+            groups.append(EngineGroup(f"{mid}-engine", mid, module, None))
+        else:
+            groups += [EngineGroup(f"{mid}-{role}", mid, role_module(module, role), role,
+                                   getattr(module.disaggregation, role).host)
+                       for role in ROLES]
+    return groups

@@ -92,6 +92,11 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
     if (allowed := _choices(tp)) is not None:
         return _choice(value, allowed, path)
     if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None  # not a default-built section: `disaggregation: null` means none
+        sections = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if isinstance(value, dict) and len(sections) == 1:
+            return build(sections[0], value, path)  # its own error names the key inside
         for arg in typing.get_args(tp):
             try:
                 return coerce(arg, value, path)

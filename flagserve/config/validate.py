@@ -21,7 +21,14 @@ from flagserve.config.schema import (
     RouterConfig,
     UserModule,
 )
-from flagserve.config.topology import engine_args_for, ingress_autoscales, served_names, uses_gpu
+from flagserve.config.topology import (
+    engine_args_for,
+    engine_groups,
+    ingress_autoscales,
+    served_names,
+    uses_gpu,
+)
+from flagserve.config.validate_disaggregation import check_disaggregation
 from flagserve.models.architectures import GGUF_ARCHITECTURES, HF_ARCHITECTURES
 from flagserve.models.config import ModelConfig, load_model_config, model_format
 
@@ -100,6 +107,7 @@ def validate_graph(config: Config, hosts: list[Host]) -> None:
                                       f"set a distinct serve.{module_id}.model_name")
             _check_resources(f"serve.{module_id}.tokenizer", module.tokenizer, min_replicas=0)
             _check_router(f"serve.{module_id}.router", module.router)
+            check_disaggregation(config, module_id, module, hosts)
         else:
             _check_user_module(module_id, module)
         _check_resources(f"serve.{module_id}.resources", module.resources)
@@ -278,7 +286,8 @@ def _check_devices(config: Config, hosts: list[Host]) -> None:
     capacity = sum(h.num_gpus for h in hosts)
     largest = max((h.num_gpus for h in hosts), default=0)
     demand = 0
-    for module_id, module in config.llms.items():
+    for group in engine_groups(config):  # a disaggregated module: each role's replicas
+        module_id, module = group.module_id, group.module
         path = f"serve.{module_id}"
         if not uses_gpu(module, hosts):
             continue
@@ -295,7 +304,8 @@ def _check_devices(config: Config, hosts: list[Host]) -> None:
         replicas = res.min_replicas if res.autoscaling and res.min_replicas else res.num_replicas
         demand += module.world_size * max(replicas, 1)
         if res.num_gpus is not None and res.num_gpus not in (0, module.world_size):
-            raise ConfigError(f"{path}.resources.num_gpus",
+            where = f"{path}.disaggregation.{group.role}" if group.role else path
+            raise ConfigError(f"{where}.resources.num_gpus",
                               f"{res.num_gpus} does not match tensor x pipeline parallel size "
                               f"({module.world_size} GPUs per replica)", "remove it: it is derived")
     if demand > capacity:

@@ -12,7 +12,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from flagserve.engine.core.interface import EngineCore
-from flagserve.engine.core.loop import AbortRequest, AddRequest, EngineDeadError, StepResult
+from flagserve.engine.core.loop import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineDeadError,
+    ImportRequest,
+    PrefillRequest,
+    StepResult,
+)
+from flagserve.engine.kv_transfer.handoff import RequestHandoff
 from flagserve.engine.outputs import RequestOutput, merge_deltas
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -36,17 +45,45 @@ class AsyncEngine:
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield merged DELTA outputs of one request until it finishes; aborts it if closed early.
         add_request's errors (ValueError for a bad request) are raised by the first step."""
+        params = replace(params, output_kind=RequestOutputKind.DELTA)
+        async for out in self._stream(request_id, AddRequest(request_id, prompt, params,
+                                                             arrival_time or time.time())):
+            yield out
+
+    async def prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                      arrival_time: float | None = None
+                      ) -> AsyncIterator[RequestOutput | RequestHandoff]:
+        """generate() on a prefill engine: yields the request's RequestHandoff after its first
+        token and ends (the request has left this engine; abort() withdraws its KV until a
+        decode engine has fetched it), or its outputs if every sequence ended with that token."""
+        params = replace(params, output_kind=RequestOutputKind.DELTA)
+        async for out in self._stream(request_id, PrefillRequest(request_id, prompt, params,
+                                                                 arrival_time or time.time())):
+            yield out
+
+    async def import_request(self, handoff: RequestHandoff) -> AsyncIterator[RequestOutput]:
+        """generate() on a decode engine, continuing a prefill engine's request; the first
+        output carries the first token."""
+        async for out in self._stream(handoff.request_id, ImportRequest(handoff)):
+            yield out
+
+    async def _stream(self, request_id: str, command: Command
+                      ) -> AsyncIterator[RequestOutput | RequestHandoff]:
         if not self.alive:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         self._loop = asyncio.get_running_loop()
-        params = replace(params, output_kind=RequestOutputKind.DELTA)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         finished = False
         try:
-            self.core.send(AddRequest(request_id, prompt, params, arrival_time or time.time()))
+            self.core.send(command)
             while not finished:
-                out = _merge(await stream.get(), stream)
+                item = await stream.get()
+                if isinstance(item, RequestHandoff):
+                    finished = True  # it has left this engine: nothing to abort here
+                    yield item
+                    return
+                out = _merge(item, stream)
                 finished = out.finished
                 yield out
         finally:
@@ -83,10 +120,10 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put_nowait(err)
-        for out in result.outputs:
-            stream = self._streams.get(out.request_id)
+        for item in (*result.outputs, *result.handoffs):
+            stream = self._streams.get(item.request_id)
             if stream is not None:
-                stream.put_nowait(out)
+                stream.put_nowait(item)
 
 
 def _merge(first: RequestOutput | BaseException, stream: asyncio.Queue) -> RequestOutput:

@@ -1,5 +1,7 @@
 """What a model on CPU gets after loading (issue 16): its linear layers and LM head packed
-for oneDNN (layers/cpu_matmul.py; FLAGSERVE_CPU_MATMUL), and, when asked for
+for oneDNN (layers/cpu_matmul.py; FLAGSERVE_CPU_MATMUL), native kernels for the decode
+attention over the paged cache and the elementwise ops (kernels/cpu_native.py;
+FLAGSERVE_CPU_KERNELS), and, when asked for
 (FLAGSERVE_CPU_COMPILE=ops, off by default: it measured slower), its elementwise ops
 compiled by inductor (cpu_compile.py). GPU models are left alone."""
 from __future__ import annotations
@@ -10,8 +12,11 @@ import time
 import torch
 from torch import nn
 
-from flagserve.engine.cpu_compile import compile_cpu_ops, compile_mode
+from flagserve.engine.cpu_compile import compile_cpu_ops, compile_mode, use_ops
 from flagserve.layers.cpu_matmul import matmul_mode
+from kernels import KernelOps
+from kernels.cpu_native import available as native_kernels_available
+from kernels.cpu_native import native_ops
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +29,16 @@ def pack_linear_weights(model: nn.Module) -> int:
     return len(layers)
 
 
+def use_native_kernels(model: nn.Module, ops: KernelOps) -> KernelOps:
+    """The model's layers run the native CPU kernels from now on, where they build (the
+    torch reference otherwise); returns the ops the model now uses."""
+    if ops.name != "torch" or not native_kernels_available():
+        return ops
+    new = native_ops(ops)
+    use_ops(model, ops, new)
+    return new
+
+
 def prepare_cpu_model(model: nn.Module, device: torch.device, dtype: torch.dtype,
                       enforce_eager: bool = True) -> None:
     if device.type != "cpu":
@@ -33,6 +48,8 @@ def prepare_cpu_model(model: nn.Module, device: torch.device, dtype: torch.dtype
         count = pack_linear_weights(model)
         log.info("packed %d weights for oneDNN in %.2f s", count, time.perf_counter() - start)
     ops = next((m.ops for m in model.modules() if hasattr(m, "ops")), None)
+    if ops is not None:
+        ops = use_native_kernels(model, ops)
     if ops is not None and compile_mode(enforce_eager) == "ops":
         cfg = model.config
         compile_cpu_ops(model, ops, cfg.hidden_size, cfg.intermediate_size, dtype)

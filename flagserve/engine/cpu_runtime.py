@@ -105,10 +105,15 @@ def quiet_host_process() -> None:
     torch.set_num_threads(1)
 
 
-def replica_cpus(host_cpus: int, engine_replicas: int) -> int:
+def replica_cpus(host_cpus: int, engine_replicas: int) -> float:
     """Default Ray num_cpus of a CPU engine replica: its share of the host's cores (the
-    other deployments of the graph reserve none)."""
-    return max(1, host_cpus // max(1, engine_replicas))
+    other deployments of the graph reserve none). Whole cores while there are enough; a
+    fraction when there are more replicas than cores (2P2D on 2 cores), else some replicas
+    would wait forever to be scheduled."""
+    engine_replicas = max(1, engine_replicas)
+    if engine_replicas > host_cpus:
+        return host_cpus / engine_replicas
+    return host_cpus // engine_replicas
 
 
 # tcmalloc (vLLM's CPU guide recommends it with Intel OpenMP): LD_PRELOAD works only for a

@@ -4,11 +4,24 @@ Decoding a window that starts a few tokens back and keeping only the new suffix 
 same text as decoding everything (spaces and multi-byte characters that span tokens
 included) at a cost independent of the output length.
 """
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first outputs, for correct spacing
+
+
+def decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """tokenizer.decode(ids, skip_special_tokens=...), through the Rust tokenizer directly when
+    that is all the HF wrapper would do: its Python layers cost more than the decode itself,
+    and every output token is decoded twice."""
+    if (isinstance(tokenizer, PreTrainedTokenizerFast)
+            and type(tokenizer)._decode is PreTrainedTokenizerFast._decode  # noqa: SLF001 (no override)
+            and not tokenizer.clean_up_tokenization_spaces):
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 @dataclass
@@ -18,15 +31,16 @@ class IncrementalDetokenizer:
     prefix_offset: int
     read_offset: int
     text: str = ""
+    _decode: Callable[[list[int]], str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._decode = decoder(self.tokenizer, self.skip_special_tokens)
 
     @classmethod
     def for_prompt(cls, tokenizer: PreTrainedTokenizerBase, num_prompt_tokens: int,
                    skip_special_tokens: bool) -> "IncrementalDetokenizer":
         return cls(tokenizer, skip_special_tokens,
                    max(num_prompt_tokens - CONTEXT_TOKENS, 0), num_prompt_tokens)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_ids: list[int]) -> str:
         """token_ids: the whole sequence, its newest token last. Returns the new text."""

@@ -14,7 +14,7 @@ from flagserve.engine.kv_budget import batched_tokens
 from flagserve.engine.kv_transfer.exports import check_handoff_params
 from flagserve.engine.kv_transfer.handoff import RequestHandoff
 from flagserve.engine.kv_transfer.link import link_engine
-from flagserve.engine.kv_transfer.transport import KVEndpoint
+from flagserve.engine.kv_transfer.transport import KVEndpoint, TransferStats
 from flagserve.engine.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from flagserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -337,6 +337,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
+        t = self.kv_transport.stats if self.kv_transport is not None else TransferStats()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -351,6 +352,10 @@ class LLMEngine:
             forward_seconds=self.executor.forward_seconds,
             structured_output_compile_requests=self.structured.compiler.requests,
             structured_output_cache_hits=self.structured.compiler.cache_hits,
+            kv_sent_bytes=t.bytes_sent, kv_received_bytes=t.bytes_received,
+            kv_sent_requests=t.requests_sent, kv_received_requests=t.requests_received,
+            kv_transfer_failures=t.failures, kv_receive_seconds=t.receive_seconds,
+            queued_prompt_tokens=self.scheduler.queued_prompt_tokens(),
         )
 
     def shutdown(self) -> None:

@@ -12,6 +12,7 @@ import torch
 from flagserve.distributed.parallel_state import ParallelContext
 from flagserve.distributed.pipeline import recv_activations, send_activations
 from flagserve.engine.cpu_model import prepare_cpu_model
+from flagserve.engine.cpu_threads import ThreadTuner, tuning_enabled
 from flagserve.engine.engine_args import Dtype, EngineArgs
 from flagserve.engine.input_buffers import PreparedBatch, StepBuffers, bucket_for, decode_buckets
 from flagserve.engine.kv_budget import batched_tokens, capacity_blocks, kv_budget_bytes
@@ -73,6 +74,9 @@ class ModelRunner:
         self.buckets: list[int] = []
         self.stage_inputs: torch.Tensor | None = None  # [2, rows, hidden]: padded later-stage input
         self.graphs = None  # cuda_graphs.DecodeGraphs in "graph" mode
+        self.thread_tuner = None  # CPU: one or all threads, by measurement (cpu_threads.py)
+        if self.device.type == "cpu" and tuning_enabled(torch.get_num_threads()):
+            self.thread_tuner = ThreadTuner((torch.get_num_threads(), 1), torch.set_num_threads)
 
     # KV cache: this shard's layers and KV heads only
 
@@ -159,9 +163,19 @@ class ModelRunner:
         seqs = [self.seqs[step.seq_ids[i]] for i in step.sample_indices]
         return sampling_batch(seqs, step, self.cfg.vocab_size, self.eos_token_ids, self.device)
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput | None:
         """The sampled tokens on the sampling shard (None when nothing samples), else None."""
+        if self.thread_tuner is None:
+            return self._execute(step)
+        decode_only = step.num_tokens == len(step.seq_ids)
+        self.thread_tuner.start(len(step.seq_ids) if decode_only else None)
+        start = time.perf_counter()
+        out = self._execute(step)
+        self.thread_tuner.finish(time.perf_counter() - start)
+        return out
+
+    @torch.inference_mode()
+    def _execute(self, step: StepInput) -> SamplerOutput | None:
         par = self.par
         if par.samples:
             self.track_sequences(step)

@@ -85,6 +85,15 @@ class Scheduler:
         order = sorted(scheduled, key=lambda s: scheduled[s] != 1)  # stable: decodes first
         return ScheduledBatch(order, [scheduled[s] for s in order])
 
+    def queued_prompt_tokens(self) -> int:
+        """Tokens still to prefill: waiting sequences whole, running ones' unfinished chunks
+        (a decode's one pending token, its last sampled, is not a prompt's)."""
+        queued = sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+        for s in self.running:
+            left = s.num_tokens - s.num_computed_tokens
+            queued += left if left > 1 or s.num_output_tokens == 0 else 0
+        return queued
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_sequence(seq)
         seq.reset_for_recompute()

@@ -17,3 +17,11 @@ class EngineStats:
     forward_seconds: float  # of which model forward + LM head
     structured_output_compile_requests: int = 0  # grammars asked of the compiler (cumulative)
     structured_output_cache_hits: int = 0  # of those, found compiled (or compiling) in its LRU
+    # KV transfer of a prefill or decode engine (kv_transfer/transport.py TransferStats)
+    kv_sent_bytes: int = 0
+    kv_received_bytes: int = 0
+    kv_sent_requests: int = 0
+    kv_received_requests: int = 0
+    kv_transfer_failures: int = 0  # either side: fetches failed, offers expired or unreadable
+    kv_receive_seconds: float = 0.0  # decode side: from a fetch's start to its KV in place
+    queued_prompt_tokens: int = 0  # prompt tokens not yet computed (a prefill role scales on it)

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
-from flagserve.config.topology import uses_gpu
+from flagserve.config.topology import engine_groups, uses_gpu
 
 
 @dataclass
 class ShardPlacement:
     module_id: str
+    engine: str  # its deployment: <id>-engine, or <id>-prefill / <id>-decode
     replica: int
     stage: int  # pipeline stage
     host: str
@@ -30,7 +31,8 @@ def place(config: Config, hosts: list[Host]) -> list[ShardPlacement]:
     multihost = bool(config.experiment.runner.hostfile)
     free = {h.address: list(range(h.slots)) for h in hosts}
     out = []
-    for module_id, module in config.llms.items():
+    for group in engine_groups(config):  # each role of a disaggregated module on its own
+        module_id, module = group.module_id, group.module
         res = module.resources
         replicas = max(res.min_replicas or 1, 1) if res.autoscaling else res.num_replicas
         gpu = uses_gpu(module, hosts)
@@ -38,9 +40,10 @@ def place(config: Config, hosts: list[Host]) -> list[ShardPlacement]:
         for replica in range(replicas):
             for stage in range(module.pipeline_parallel_size):
                 if not gpu and not multihost:
-                    out.append(ShardPlacement(module_id, replica, stage, hosts[0].address, []))
+                    out.append(ShardPlacement(module_id, group.name, replica, stage, hosts[0].address, []))
                     continue
-                fits = [h for h in hosts if (h.num_gpus or not gpu) and len(free[h.address]) >= tp]
+                fits = [h for h in hosts if (h.num_gpus or not gpu) and len(free[h.address]) >= tp
+                        and group.host in (None, h.address)]  # a role may be pinned
                 if not fits:
                     kind = "GPUs" if gpu else "CPU slots (type=cpu hosts)"
                     raise ConfigError(f"serve.{module_id}.engine_args.tensor_parallel_size",
@@ -49,7 +52,7 @@ def place(config: Config, hosts: list[Host]) -> list[ShardPlacement]:
                                       "lower tensor_parallel_size or num_replicas, or add hosts")
                 host = fits[0]
                 devices, free[host.address] = free[host.address][:tp], free[host.address][tp:]
-                out.append(ShardPlacement(module_id, replica, stage, host.address,
+                out.append(ShardPlacement(module_id, group.name, replica, stage, host.address,
                                           devices if gpu else []))
     return out
 

@@ -3,10 +3,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from flagserve.config.hostfile import Host
+from flagserve.config.schema import Config, LLMModule
 from flagserve.config.topology import (
+    EngineGroup,
     direct_http,
     engine_core_mode,
+    engine_groups,
     ingress_in_engine,
+    role_scaling,
     served_names,
     several_replicas,
     uses_gpu,
@@ -55,28 +60,55 @@ def print_plan(deployment: Deployment) -> None:
     print(f"  {'metrics':<24} {'1':<18} {head.address} (CPU)")
     for mid, m in config.user_modules.items():
         print(f"  {mid:<24} {_replicas(m.resources):<18} any host (CPU), {m.name} from {m.module}")
-    shards = defaultdict(list)
-    for s in place(config, hosts):
-        shards[s.module_id].append(s)
     for mid, m in config.llms.items():
         if m.tokenizer_deployment:
             print(f"  {mid + '-tokenizer':<24} {_replicas(m.tokenizer):<18} any host (CPU)")
-        gpu = uses_gpu(m, hosts)
+    _print_engines(config, hosts, local)
+    for group in engine_groups(config):
+        _print_memory(group, uses_gpu(group.module, hosts))
+
+
+def _print_engines(config: Config, hosts: list[Host], local: str | None) -> None:
+    shards = defaultdict(list)
+    for s in place(config, hosts):
+        shards[s.engine].append(s)
+    for group in engine_groups(config):
+        mid, m = group.module_id, group.module
         layout = f"TP {m.tensor_parallel_size} x PP {m.pipeline_parallel_size}"
         routed = f", routed {m.router.strategy}" if mid != local and several_replicas(m) else ""
-        print(f"  {mid + '-engine':<24} {_replicas(m.resources):<18} {layout}, "
-              f"model {', '.join(served_names(mid, m))}, step loop in a {engine_core_mode(m)}{routed}")
-        for s in shards[mid]:
-            where = f"gpu {','.join(map(str, s.devices))}" if gpu else "cpu"
+        role = ""
+        if group.role == "prefill":
+            role = (", prefill: hands each request after its first token to "
+                    f"{mid}-decode, KV over {_kv_mode(config.llms[mid], hosts)}")
+        elif group.role == "decode":
+            role = f", decode: continues {mid}-prefill's requests"
+        if group.role and (scaling := role_scaling(config.llms[mid], group.role)):
+            role += (f", scaled on {scaling.metric.replace('_', ' ')} "
+                     f"(target {scaling.target:g} per replica)")
+        print(f"  {group.name:<24} {_replicas(m.resources):<18} {layout}, "
+              f"model {', '.join(served_names(mid, m))}, step loop in a {engine_core_mode(m)}"
+              f"{routed}{role}")
+        for s in shards[group.name]:
+            where = f"gpu {','.join(map(str, s.devices))}" if uses_gpu(m, hosts) else "cpu"
             print(f"  {'':<24} {'':<18} replica {s.replica} stage {s.stage}: {s.host} {where}")
-    for mid, m in config.llms.items():
-        est = estimate(mid, m, uses_gpu(m, hosts))
-        print(f"memory per device of {mid} ({est.model.architecture}, {est.dtype}, "
-              f"{_count(est.num_params)} parameters, {'GPU' if uses_gpu(m, hosts) else 'CPU'}):")
-        print(f"  weights   {_gib(est.weights_bytes)}")
-        print(f"  KV cache  {_gib(max(est.kv_budget_bytes, 0))} from {est.budget_source}: "
-              f"{est.kv_tokens:,} tokens at {est.kv_bytes_per_token / 1024:.1f} KiB/token "
-              f"(max_model_len {est.max_model_len:,})")
-        if est.kv_tokens < est.max_model_len:
-            print(f"  WARNING: the KV cache holds fewer tokens than max_model_len; the engine will "
-                  f"refuse to start: lower serve.{mid}.engine_args.max_model_len or give it more memory")
+
+
+def _kv_mode(module: LLMModule, hosts: list[Host]) -> str:
+    mode = module.disaggregation.kv_transfer
+    if mode == "auto":
+        mode = "nccl" if uses_gpu(module, hosts) else "gloo"
+    return f"{mode} (engine to engine)"
+
+
+def _print_memory(group: EngineGroup, gpu: bool) -> None:
+    est = estimate(group.module_id, group.module, gpu)
+    args = f"serve.{group.module_id}" + (f".disaggregation.{group.role}" if group.role else "")
+    print(f"memory per device of {group.name} ({est.model.architecture}, {est.dtype}, "
+          f"{_count(est.num_params)} parameters, {'GPU' if gpu else 'CPU'}):")
+    print(f"  weights   {_gib(est.weights_bytes)}")
+    print(f"  KV cache  {_gib(max(est.kv_budget_bytes, 0))} from {est.budget_source}: "
+          f"{est.kv_tokens:,} tokens at {est.kv_bytes_per_token / 1024:.1f} KiB/token "
+          f"(max_model_len {est.max_model_len:,})")
+    if est.kv_tokens < est.max_model_len:
+        print(f"  WARNING: the KV cache holds fewer tokens than max_model_len; the engine will "
+              f"refuse to start: lower {args}.engine_args.max_model_len or give it more memory")

@@ -11,6 +11,13 @@ deploy.ingress = separate (several LLM modules, several engine replicas, or ingr
                                     -> <id>-engine (-> shard workers, TP x PP)
                                        the replica picked by serve.<id>.router (serve/routing)
 
+serve.<id>.disaggregation (always a separate ingress): two engine deployments, the ingress
+passing each request's handoff from one to the other (serve/disagg_client.py)
+
+    ingress -> <id>-prefill (prompt, first token) -> handoff -> <id>-decode (the rest)
+               <id>-prefill ==== KV, engine to engine (gloo / NCCL) ====> <id>-decode
+               (each a deployment of any number of replicas, picked by its router)
+
 HTTP reaches the ingress replicas straight (deploy.http_server = replicas, the default on one
 host: each listens on host:port) or through Ray Serve's proxy on the head (serve_proxy).
 Either way: with tokenizer.num_replicas > 0 the ingress asks <id>-tokenizer instead of
@@ -30,15 +37,23 @@ from ray.serve.deployment import Application
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config, LLMModule, ResourcesConfig
 from flagserve.config.topology import (
+    RoleScaling,
     direct_http,
     engine_args_for,
     engine_core_mode,
+    engine_groups,
     ingress_in_engine,
+    role_module,
+    role_scaling,
     served_names,
     uses_gpu,
 )
+from flagserve.distributed.placement import HOST_RESOURCE_AMOUNT, host_resource
 from flagserve.engine.cpu_runtime import replica_cpus
 from flagserve.entrypoints.openai.ingress import ModelRoute, OpenAIIngress
+from flagserve.serve.autoscaling import autoscaling_options
+from flagserve.serve.disagg_client import DisaggregatedEngineSpec
+from flagserve.serve.disagg_deployments import DecodeDeployment, PrefillDeployment
 from flagserve.serve.engine_clients import LocalEngineSpec, RemoteEngineSpec
 from flagserve.serve.engine_deployment import EngineDeployment
 from flagserve.serve.metrics_hub import HUB_NAME, MetricsHub
@@ -58,7 +73,10 @@ ENGINE_HEALTH_CHECK_S = 2.0
 
 
 def deployment_options(res: ResourcesConfig, num_cpus: float, num_gpus: float = 0,
-                       max_ongoing: int = 1024, target_ongoing: float = 64) -> dict[str, Any]:
+                       max_ongoing: int = 1024, target_ongoing: float = 64,
+                       scaling: RoleScaling | None = None) -> dict[str, Any]:
+    """Serve's options of a deployment; autoscaled on ongoing requests (Serve's default
+    policy), or, for a role of a disaggregated module, on the load `scaling` names."""
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": res.num_cpus if res.num_cpus is not None else num_cpus,
                               "num_gpus": num_gpus},
@@ -69,13 +87,15 @@ def deployment_options(res: ResourcesConfig, num_cpus: float, num_gpus: float = 
         options["autoscaling_config"] = {
             "min_replicas": res.min_replicas, "max_replicas": res.max_replicas,
             "initial_replicas": max(res.min_replicas or 0, 1),
-            "target_ongoing_requests": res.target_ongoing_requests or target_ongoing}
+            "target_ongoing_requests": res.target_ongoing_requests or target_ongoing,
+            **(autoscaling_options(scaling) if scaling is not None else {})}
     else:
         options["num_replicas"] = res.num_replicas
     return options
 
 
-def engine_options(module: LLMModule, hosts: list[Host], cpu_engines: int = 1) -> dict[str, Any]:
+def engine_options(module: LLMModule, hosts: list[Host], cpu_engines: int = 1,
+                   scaling: RoleScaling | None = None) -> dict[str, Any]:
     max_num_seqs = int(module.engine_args.get("max_num_seqs", 256))
     gpu = uses_gpu(module, hosts)
     # TP x PP > 1: the shard workers (their own placement group) hold the devices; the engine
@@ -83,10 +103,12 @@ def engine_options(module: LLMModule, hosts: list[Host], cpu_engines: int = 1) -
     sharded = module.world_size > 1
     # On one host a CPU engine replica owns its share of the cores (its torch threads: one
     # per core it owns, engine/cpu_runtime.py); other hosts' core counts are unknown here.
-    cpus = replica_cpus(os.cpu_count() or 1, cpu_engines) if len(hosts) == 1 else 1
+    host_cpus = os.cpu_count() or 1
+    cpus = replica_cpus(host_cpus, cpu_engines) if len(hosts) == 1 else 1
     options = deployment_options(module.resources, num_cpus=0 if gpu or sharded else cpus,
                                  num_gpus=1 if gpu and not sharded else 0,
-                                 max_ongoing=4 * max_num_seqs, target_ongoing=max_num_seqs)
+                                 max_ongoing=4 * max_num_seqs, target_ongoing=max_num_seqs,
+                                 scaling=scaling)
     return {**options, "health_check_period_s": ENGINE_HEALTH_CHECK_S}
 
 
@@ -106,8 +128,30 @@ def router_config(module: LLMModule, model_name: str, block_size: int) -> Reques
 def cpu_engine_replicas(config: Config, hosts: list[Host]) -> int:
     """Engine replicas that run a model on this host's CPU cores (at most, when autoscaled)."""
     return sum(max(m.resources.num_replicas, m.resources.max_replicas or 0)
-               for m in config.llms.values()
+               for m in (g.module for g in engine_groups(config))
                if m.world_size == 1 and not uses_gpu(m, hosts) and m.resources.num_cpus is None)
+
+
+def disaggregated_engine(config: Config, hosts: list[Host], module_id: str, model_name: str,
+                         options: dict[str, Any]) -> DisaggregatedEngineSpec:
+    """<id>-prefill and <id>-decode, linked for KV transfer: each prefill replica binds its
+    own endpoint, each decode replica connects to those it receives from (disagg_deployments)."""
+    cpu_engines, hub = options.pop("cpu_engines"), options.pop("hub")
+    module = config.llms[module_id]
+    link = {"mode": module.disaggregation.kv_transfer, "address": None}
+    handles = []
+    for role, cls in (("prefill", PrefillDeployment), ("decode", DecodeDeployment)):
+        m = role_module(module, role)
+        args = {**engine_args_for(m).to_dict(), "kv_transfer": {**link, "role": role}}
+        placed = engine_options(m, hosts, cpu_engines, role_scaling(module, role))
+        if (host := getattr(module.disaggregation, role).host) is not None:
+            # disaggregation.<role>.host: every node of the multi-host runner advertises its own
+            placed["ray_actor_options"]["resources"] = {host_resource(host): HOST_RESOURCE_AMOUNT}
+        handles.append(serve.deployment(cls).options(
+            name=f"{module_id}-{role}", **placed, **options,
+            request_router_config=router_config(m, model_name, args["block_size"])
+        ).bind(module_id, model_name, args, hub, engine_core_mode(m)))
+    return DisaggregatedEngineSpec(*handles)
 
 
 def shutdown_options(config: Config) -> dict[str, float]:
@@ -153,6 +197,9 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
         engine_args = engine_args_for(module).to_dict()  # placement fields stay here
         if mid == local:
             engine = LocalEngineSpec(mid, names[0], engine_args, engine_core_mode(module))
+        elif module.disaggregation is not None:
+            engine = disaggregated_engine(config, hosts, mid, names[0],
+                                          {**stop, "cpu_engines": cpu_engines, "hub": hub})
         else:
             engine = RemoteEngineSpec(serve.deployment(EngineDeployment).options(
                 name=f"{mid}-engine", **engine_options(module, hosts, cpu_engines), **stop,

@@ -38,7 +38,7 @@ class EngineDeployment:
         if engine_core == "process" and _in_replica():
             quiet_host_process()  # the model's threads are the child's (cpu_runtime.py)
         core = make_core(self.args, engine_core)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(self.args.kv_transfer.role if self.args.kv_transfer else None)
         self.async_engine = AsyncEngine(core, on_step=self.metrics.on_step)
         self.info_ = ModelInfo(module_id, model_name, self.args.model, core.max_model_len,
                                core.vocab_size)
@@ -55,21 +55,30 @@ class EngineDeployment:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         self._start_pusher()
+        outputs = self.async_engine.generate(request.request_id, request.prompt_token_ids,
+                                             request.params, request.arrival_time)
+        async for chunk in self.chunks(request.request_id, outputs, request.stream):
+            yield chunk
+
+    async def chunks(self, request_id: str, outputs: AsyncIterator[RequestOutput],
+                     stream: bool) -> AsyncIterator[EngineChunk]:
+        """A request's outputs as chunks: each one (stream), or one when it finishes."""
         finished = False
         final: RequestOutput | None = None
         try:
-            async for out in self.async_engine.generate(request.request_id, request.prompt_token_ids,
-                                                        request.params, request.arrival_time):
+            async for out in outputs:
+                if out.error is not None:  # a failed KV transfer (disaggregation)
+                    raise RuntimeError(out.error)
                 finished = out.finished
-                if request.stream:
-                    yield _chunk(out)
+                if stream:
+                    yield chunk_of(out)
                 else:
                     final = out if final is None else merge_deltas(final, out)
             if final is not None:
-                yield _chunk(final)
+                yield chunk_of(final)
         finally:
             if not finished:
-                self.metrics.count_abort(request.request_id)
+                self.metrics.count_abort(request_id)
 
     async def check_health(self) -> None:
         """Ray Serve calls this periodically; raising restarts the replica."""
@@ -116,5 +125,5 @@ def _in_replica() -> bool:
     return True
 
 
-def _chunk(out: RequestOutput) -> EngineChunk:
+def chunk_of(out: RequestOutput) -> EngineChunk:
     return EngineChunk(out.outputs, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)

@@ -2,7 +2,8 @@
 
 Each engine replica keeps an EngineMetrics (fed by the step thread) and pushes snapshots
 (plain dicts) to the metrics deployment, which renders all replicas in Prometheus format
-with the labels vLLM uses (model_name, engine).
+with the labels vLLM uses (model_name, engine), and `role` on the engines of a disaggregated
+module, which also report their KV transfers (metrics_disagg.py).
 """
 from __future__ import annotations
 
@@ -16,8 +17,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from flagserve.config.schema import Role
+from flagserve.engine.kv_transfer.handoff import RequestHandoff
 from flagserve.engine.outputs import FinishReason, RequestOutput
 from flagserve.engine.stats import EngineStats
+from flagserve.serve.metrics_disagg import (
+    KV_COUNTERS,
+    TTFT_SPLIT,
+    TTFT_SPLIT_BUCKETS,
+    role_items,
+    ttft_split,
+    with_roles,
+)
 
 # vLLM's buckets, with sub-10ms ones added: the tiny CPU model decodes in about a millisecond.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -83,9 +94,12 @@ class _Seen:
 class EngineMetrics:
     """Per-request latency histograms and finish counts of one engine replica."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: Role | None = None) -> None:
+        self.role = role  # prefill | decode; None: an aggregated engine
         self._lock = threading.Lock()
         self._hist = {name: Histogram(bounds) for name, (_, bounds) in HISTOGRAMS.items()}
+        if role is not None:
+            self._hist.update({name: Histogram(TTFT_SPLIT_BUCKETS) for name in TTFT_SPLIT})
         self._success: dict[str, int] = {}
         self._seen: dict[str, _Seen] = {}
 
@@ -121,6 +135,12 @@ class EngineMetrics:
                 reason = str(c.finish_reason or FinishReason.ABORT)  # a label: the plain value
                 self._success[reason] = self._success.get(reason, 0) + 1
 
+    def on_handoff_received(self, handoff: RequestHandoff, now: float) -> None:
+        """A decode replica has a request's KV: its TTFT split (metrics_disagg.py)."""
+        with self._lock:
+            for name, seconds in ttft_split(handoff, now).items():
+                self._hist[name].observe(seconds)
+
     def count_abort(self, request_id: str) -> None:
         """An aborted request produces no final output; count it here."""
         with self._lock:
@@ -134,7 +154,9 @@ class EngineMetrics:
                 "gauges": {"vllm:num_requests_running": stats.num_running,
                            "vllm:num_requests_waiting": stats.num_waiting,
                            "vllm:kv_cache_usage_perc": stats.kv_cache_usage},
-                "counters": {name: getattr(stats, attr) for name, (_, attr) in COUNTERS.items()},
+                "counters": {name: getattr(stats, attr)
+                             for name, (_, attr) in (COUNTERS | KV_COUNTERS).items()},
+                "role": self.role,
                 "success": dict(self._success),
                 "histograms": {name: (list(h.counts), h.total) for name, h in self._hist.items()},
             }
@@ -145,16 +167,22 @@ class _SnapshotCollector:
         self.snapshots = snapshots  # (model_name, engine) -> snapshot
 
     def collect(self):
-        labels = ["model_name", "engine"]
         items = sorted(self.snapshots.items())
+        roles = {engine: snap["role"] for (_, engine), snap in items if snap.get("role")}
+        for family in self._families(items, role_items(items)):
+            yield with_roles(family, roles)
+
+    def _families(self, items: list, split: list):
+        labels = ["model_name", "engine"]
         for name, doc in GAUGES.items():
             fam = GaugeMetricFamily(name, doc, labels=labels)
             for key, snap in items:
                 fam.add_metric(list(key), snap["gauges"][name])
             yield fam
-        for name, (doc, _) in COUNTERS.items():
+        for name, (doc, _), chosen in [*((n, v, items) for n, v in COUNTERS.items()),
+                                       *((n, v, split) for n, v in KV_COUNTERS.items() if split)]:
             fam = CounterMetricFamily(name, doc, labels=labels)
-            for key, snap in items:
+            for key, snap in chosen:
                 fam.add_metric(list(key), snap["counters"][name])
             yield fam
         fam = CounterMetricFamily(SUCCESS, "Finished requests by finish reason.",
@@ -164,15 +192,21 @@ class _SnapshotCollector:
                 fam.add_metric([*key, reason], snap["success"].get(reason, 0))
         yield fam
         for name, (doc, bounds) in HISTOGRAMS.items():
-            fam = HistogramMetricFamily(name, doc, labels=labels)
-            for key, snap in items:
-                counts, total = snap["histograms"][name]
-                cumulative, running = [], 0
-                for bound, count in zip([*map(str, bounds), "+Inf"], counts):
-                    running += count
-                    cumulative.append((bound, running))
-                fam.add_metric(list(key), cumulative, total)
-            yield fam
+            yield _histogram(name, doc, bounds, items)
+        for name, doc in TTFT_SPLIT.items() if split else ():
+            yield _histogram(name, doc, TTFT_SPLIT_BUCKETS, split)
+
+
+def _histogram(name: str, doc: str, bounds: tuple[float, ...], items: list) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(name, doc, labels=["model_name", "engine"])
+    for key, snap in items:
+        counts, total = snap["histograms"][name]
+        cumulative, running = [], 0
+        for bound, count in zip([*map(str, bounds), "+Inf"], counts):
+            running += count
+            cumulative.append((bound, running))
+        fam.add_metric(list(key), cumulative, total)
+    return fam
 
 
 def render(snapshots: dict[tuple[str, str], dict], extra: Iterable[Any] = ()) -> bytes:

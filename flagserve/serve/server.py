@@ -41,7 +41,7 @@ from flagserve.cluster.records import ExpPaths, RayRecord, save_ray
 from flagserve.config import parse_config
 from flagserve.config.hostfile import Host, local_host
 from flagserve.config.schema import Config
-from flagserve.config.topology import direct_http
+from flagserve.config.topology import direct_http, engine_groups
 
 log = logging.getLogger("flagserve.server")  # its INFO lines are `run`'s progress
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -149,7 +149,7 @@ def _serve_until(stop: threading.Event, config: Config, hosts: list[Host]) -> No
                 proxy_location="Disabled" if direct_http(config) else "HeadOnly")
     name = config.experiment.exp_name
     log.info("deploying %s: %s (each engine replica loads its model)", name,
-             ", ".join(f"{mid}-engine" for mid in config.llms))
+             ", ".join(g.name for g in engine_groups(config)))
     serve.run(build_app(config, hosts), name=name, route_prefix="/")
     log.info("serving %s at %s", name, _bind_url(config))
     while not stop.wait(0.25):

@@ -42,6 +42,7 @@ def test_defaults_and_overrides_parse(tmp_path):
     (["+experiment.bench.num_promts=3"], "experiment.bench.num_promts", "did you mean `num_prompts`"),
     (["experiment.bench.compare_base_url=localhost:8001"], "experiment.bench.compare_base_url", "http"),
     (["experiment.bench.repeats=0"], "experiment.bench.repeats", ">= 1"),
+    (["experiment.bench.num_prefixes=0"], "experiment.bench.num_prefixes", ">= 1"),
 ])
 def test_bad_bench_config(capsys, overrides, key, words):
     code = execute(composed("action=bench", *overrides))

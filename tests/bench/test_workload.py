@@ -107,3 +107,18 @@ def test_json_schema_dataset_carries_its_schemas_to_both_drivers(tokenizer, llam
     assert all(r.success for r in results)
     # An open array runs to max_tokens: the schemas cost ITL, not output length.
     assert [r.output_len for r in results] == [24] * 4
+
+
+def test_shared_prefix_with_several_prefixes_draws_one_per_request(tokenizer):
+    """--num-prefixes: each prompt starts with one of the prefixes, drawn (not in turn, which
+    round-robin routing over 2 replicas would keep on one replica each by accident)."""
+    samples = shared_prefix_dataset(tokenizer, 40, prefix_len=64, input_len=8, output_len=4,
+                                    seed=1, num_prefixes=4)
+    prefixes = sorted({s.prefix for s in samples})
+    assert len(prefixes) == 4
+    for s in samples:
+        assert len(tokenizer.encode(s.text)) == s.prompt_len == 64 + 8
+    order = [prefixes.index(s.prefix) for s in samples]
+    assert order != [i % 4 for i in range(40)] and any(a == b for a, b in zip(order, order[1:]))
+    one = shared_prefix_dataset(tokenizer, 5, prefix_len=64, input_len=8, output_len=4, seed=1)
+    assert len({s.prefix for s in one}) == 1

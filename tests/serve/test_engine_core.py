@@ -89,6 +89,7 @@ def test_wire_round_trips_every_field():
 
     from flagserve.engine.core import wire as engine_wire
     from flagserve.engine.core.loop import StepResult
+    from flagserve.engine.kv_transfer.handoff import KVLayout, RequestHandoff
     from flagserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from flagserve.engine.stats import EngineStats
 
@@ -104,7 +105,37 @@ def test_wire_round_trips_every_field():
     out = RequestOutput("r1", "prompt", [1, 2, 3], [completion, CompletionOutput(0, "", [], None, None)],
                         True, filled(RequestMetrics), 3, "KV transfer failed")
     stats = filled(EngineStats)
-    result = StepResult([out], stats, 123.5, [("bad", ValueError("too long"))])
+    handoff = filled(RequestHandoff, params=SamplingParams(seed=3), seqs=[], layout=filled(KVLayout))
+    result = StepResult([out], stats, 123.5, [("bad", ValueError("too long"))], [handoff])
     back = engine_wire.decode(__import__("pickle").loads(engine_wire.encode(result)))
     assert back.outputs == result.outputs and back.stats == stats and back.time == 123.5
+    assert back.handoffs == [handoff]
     assert back.rejected[0][0] == "bad" and str(back.rejected[0][1]) == "too long"
+
+
+def test_step_loop_publishes_the_stats_of_a_step_that_leaves_it_idle():
+    """A prefill engine whose last KV transfer ends in a step with no outputs: that step's
+    stats (bytes sent, blocks freed) are published, not left at the previous step's."""
+    from flagserve.engine.core.loop import run_steps
+
+    class Exporting:  # busy for two steps without outputs, then idle
+        def __init__(self):
+            self.steps = 0
+
+        def has_unfinished(self):
+            return self.steps < 2
+
+        def step(self):
+            self.steps += 1
+            return []
+
+        def take_handoffs(self):
+            return []
+
+        def get_stats(self):
+            return self.steps
+
+    published, engine = [], Exporting()
+    run_steps(engine, lambda _timeout: [], lambda result: published.append(result.stats),
+              lambda: engine.steps >= 2)
+    assert published == [2]

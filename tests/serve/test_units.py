@@ -70,6 +70,9 @@ class FakeEngine:
     def get_stats(self):
         return EngineStats(len(self.requests), 0, 0.0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
 
+    def take_handoffs(self):
+        return []  # no prefill/decode disaggregation here
+
 
 def test_async_engine_streams_errors_and_aborts():
     from flagserve.engine.sampling_params import SamplingParams

@@ -40,14 +40,18 @@ def encode(result: StepResult) -> bytes:
     stats = (s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries,
              s.prefix_cache_hits, s.prompt_tokens, s.generation_tokens, s.num_preemptions,
              s.num_steps, s.step_seconds, s.forward_seconds,
-             s.structured_output_compile_requests, s.structured_output_cache_hits)
+             s.structured_output_compile_requests, s.structured_output_cache_hits,
+             s.kv_sent_bytes, s.kv_received_bytes, s.kv_sent_requests, s.kv_received_requests,
+             s.kv_transfer_failures, s.kv_receive_seconds, s.queued_prompt_tokens)
+    # Handoffs go as dataclasses: one per request of a prefill engine, not one per step.
     return pickle.dumps(([_request(o) for o in result.outputs], stats, result.time,
-                         result.rejected), protocol=pickle.HIGHEST_PROTOCOL)
+                         result.rejected, result.handoffs), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def decode(data: Any) -> StepResult:
-    outputs, stats, time, rejected = data
-    return StepResult([_decode_request(*o) for o in outputs], EngineStats(*stats), time, rejected)
+    outputs, stats, time, rejected, handoffs = data
+    return StepResult([_decode_request(*o) for o in outputs], EngineStats(*stats), time, rejected,
+                      handoffs)
 
 
 def _decode_request(request_id, prompt, prompt_token_ids, outputs, finished, metrics,

@@ -9,6 +9,7 @@ received into them on the transport's thread, and decoding continues as if it ha
 handoff.py: what crosses the control path. config.py: the transfer's settings (EngineArgs).
 cache_io.py: reading and writing blocks of the per-layer caches. transport.py: the interface
 and the endpoint bookkeeping every transport shares; inproc.py (two engines, one process) and
-p2p.py (torch.distributed gloo, or NCCL on GPU). exports.py and imports.py: each side's
-engine logic.
+p2p.py (torch.distributed gloo, or NCCL on GPU; any number of prefill and decode engines,
+a pair per decode x prefill engine that exchange requests: p2p_pair.py). exports.py and
+imports.py: each side's engine logic.
 """

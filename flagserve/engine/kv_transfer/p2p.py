@@ -1,19 +1,20 @@
-"""One prefill engine and one decode engine in different processes (or hosts), over
-torch.distributed point-to-point: gloo on CPU, NCCL on GPU.
+"""Prefill and decode engines in different processes (or hosts), over torch.distributed
+point-to-point: gloo on CPU, NCCL on GPU. Any number of each (xPyD).
 
-The prefill side (rank 0) hosts a TCPStore at `address`; both join a private two-rank process
-group (never the default group, so shard groups of TP/PP are untouched). Control messages go
-through the store: the decode side writes fetch/<n> = {request, blocks}, the prefill side's
-server thread answers reply/<n> = {error} and, when it has the KV, sends it as one tensor
-tagged n. Every store read and data receive of the fetcher is bounded by timeout_s, and a
-peer that dies closes its sockets, so a fetch fails instead of hanging.
+A prefill endpoint hosts a TCPStore at `address` (port 0: any free port) and names itself
+`<mode>://<host>:<port>` in its handoffs' `source`. A decode endpoint keeps one link per
+source, made on the first fetch from it (p2p_pair.py: a pair per decode x prefill engine that
+exchanged a request), or at start for a configured `address`. A link that fails is dropped and
+made again on the next fetch from that source: a dead prefill engine is refused at once, a
+restarted one has a new name, and a restarted decode engine joins as a new pair. Every store
+read and data receive is bounded by timeout_s, so a fetch fails instead of hanging.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
+import socket
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -21,127 +22,141 @@ import torch.distributed as dist
 
 from flagserve.engine.kv_transfer.cache_io import KVCaches
 from flagserve.engine.kv_transfer.config import KVTransferConfig
+from flagserve.engine.kv_transfer.p2p_pair import IDLE_WAIT_S, PairLink, PairServer, store_client
 from flagserve.engine.kv_transfer.transport import KVEndpoint
 
 log = logging.getLogger(__name__)
-CONNECT_TIMEOUT_S = 600.0  # the peer replica may start minutes later (loading weights)
-IDLE_WAIT_S = 3600.0  # the server's wait for the next fetch; each timeout only logs a warning
-PREFILL, DECODE = 0, 1
-
-
-def make_group(store: dist.Store, rank: int, mode: str, timeout: timedelta) -> dist.ProcessGroup:
-    if mode == "nccl":  # CUDA only (its own default timeout): cannot run on CPU-only machines
-        return dist.ProcessGroupNCCL(store, rank, 2)
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+PROBE_TIMEOUT_S = 5.0  # a source that named itself is up: connecting to it is quick
 
 
 class P2PTransport(KVEndpoint):
     def __init__(self, config: KVTransferConfig, cuda: bool):
         self.mode = config.resolved_mode(cuda)
-        super().__init__(f"{self.mode}://{config.address}", config.offer_timeout_s)
         self.config = config
-        self.rank = PREFILL if config.role == "prefill" else DECODE
         self._store: dist.TCPStore | None = None
-        self._group: dist.ProcessGroup | None = None
-        self._next = 0  # index of the next message (the decode side assigns, both count)
-        self._server: threading.Thread | None = None
+        if config.role == "prefill":  # bound now: the name carries the port
+            host, port = config.host_port
+            self._store = dist.TCPStore(host, port, None, True,
+                                        timedelta(seconds=config.connect_timeout_s),
+                                        wait_for_workers=False)
+            name = f"{self.mode}://{host}:{self._store.port}"
+        else:
+            name = f"{self.mode}://{config.address}" if config.address else f"{self.mode}://decode"
+        super().__init__(name, config.offer_timeout_s)
+        self._servers: list[PairServer] = []
+        self._acceptor: threading.Thread | None = None
+        self._links: dict[str, PairLink] = {}  # source -> link; each used by its fetcher only
         self._connect_error: Exception | None = None
-        self._lost: Exception | None = None  # why the link broke, once it has
-        self.connected = threading.Event()  # set once both ranks have met
+        self.connected = threading.Event()  # set once a pair is up
 
-    def bind(self, caches: KVCaches) -> None:
+    @property
+    def address(self) -> tuple[str, int]:
+        host, _, port = self.name.split("://", 1)[1].rpartition(":")
+        return host, int(port)
+
+    def bind(self, caches: KVCaches | None) -> None:
         super().bind(caches)
-        if self.rank == PREFILL:
-            self._server = threading.Thread(target=self._serve_loop, name="kv-serve", daemon=True)
-            self._server.start()
-        else:  # connect now, on the fetcher: the peer's rendezvous waits for both ranks
-            self._start_fetcher()
+        if self.config.role == "prefill":
+            self._acceptor = threading.Thread(target=self._accept, name="kv-accept", daemon=True)
+            self._acceptor.start()
+        elif self.config.address:  # the one prefill engine it was told of: connect now
+            self._fetcher_of(self.name)
+        if self.config.wait_connected:
+            self._wait_connected()
 
-    def _connect(self) -> None:
-        if self.mode == "nccl":
-            torch.cuda.set_device(self.caches.device)
-        host, port = self.config.host_port
-        self._store = dist.TCPStore(host, port, 2, self.rank == PREFILL,
-                                    timedelta(seconds=CONNECT_TIMEOUT_S))
-        timeout = timedelta(seconds=self.config.timeout_s)
-        self._group = make_group(dist.PrefixStore("kv-group", self._store), self.rank, self.mode, timeout)
-        self._store.set_timeout(timeout)
-        self.connected.set()
+    def _wait_connected(self) -> None:
+        """Until a pair is up; raises if none is within connect_timeout_s."""
+        peer = "decode" if self.config.role == "prefill" else "prefill"
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        while not self.connected.wait(0.2):
+            if self._connect_error is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(
+                    f"no {peer} engine connected to the KV endpoint {self.config.address} within "
+                    f"{self.config.connect_timeout_s:g} s: {self._connect_error or 'timed out'}")
 
-    # Prefill side: one server thread answering fetches in order
+    @property
+    def _device(self) -> torch.device | None:
+        return self.caches.device if self.caches is not None else None
 
-    def _serve_loop(self) -> None:
+    # Prefill side: a PairServer per decode endpoint that joins
+
+    def _accept(self) -> None:
         try:
-            self._connect()
-            self._serve_fetches()
+            client = store_client(*self.address, self.config.connect_timeout_s)
         except Exception as err:  # noqa: BLE001 - unanswered offers expire, their blocks are freed
-            log.error("KV transfer server at %s stopped: %s", self.config.address, err)
-
-    def _serve_fetches(self) -> None:
+            self._connect_error = err
+            log.error("KV transfer server at %s could not start: %s", self.name, err)
+            return
+        k = 0
         while True:
-            key = f"fetch/{self._next}"
             try:
-                self._store.wait([key], timedelta(seconds=IDLE_WAIT_S))
+                client.wait([f"hello/{k}"], timedelta(seconds=IDLE_WAIT_S))
             except dist.DistStoreError:
                 continue  # idle
-            message = json.loads(self._store.get(key))
-            self._store.delete_key(key)
-            if message.get("close"):
+            if b"close" in client.get(f"hello/{k}"):
                 return
-            self._answer(message["request_id"], message["num_blocks"])
-            self._next += 1
+            server = PairServer(k, self.address, self.mode, self.config.timeout_s, self.serve,
+                                self.connected.set, self._device)
+            self._servers.append(server)
+            server.thread.start()
+            k += 1
 
-    def _answer(self, request_id: str, num_blocks: int) -> None:
-        data, error = self.serve(request_id, num_blocks)
-        self._store.set(f"reply/{self._next}", json.dumps({"error": error}))
-        if data is None:
-            return
+    # Decode side: a link per source, on that source's fetcher thread
+
+    def _fetch_loop(self, source: str, jobs) -> None:
         try:
-            self._group.send([data], DECODE, self._next % 2**31).wait()
-        except Exception as err:  # noqa: BLE001 - the fetcher fails this request on its side
-            log.error("KV transfer: sending %r failed: %s", request_id, err)
-
-    # Decode side: the fetcher thread, one fetch after another
-
-    def _fetch_loop(self) -> None:
-        try:
-            self._connect()
-        except Exception as err:  # noqa: BLE001 - every fetch fails with this error
+            self._link(source)
+        except Exception as err:  # noqa: BLE001 - its first fetch tries again, and fails with why
             self._connect_error = err
-        super()._fetch_loop()
-        if self._store is not None:  # tell the server to stop, unless it is gone already
-            with contextlib.suppress(RuntimeError):  # torch.distributed's DistError
-                self._store.set(f"fetch/{self._next}", json.dumps({"close": True}))
+        super()._fetch_loop(source, jobs)
+
+    def _link(self, source: str) -> PairLink:
+        link = self._links.get(source)
+        if link is not None:
+            return link
+        mode, _, address = source.partition("://")
+        host, _, port = address.rpartition(":")
+        if mode != self.mode or not port.isdigit():
+            raise RuntimeError(f"{source!r} is not a {self.mode} KV endpoint")
+        # The configured peer, at start, may still be loading its model: patience. Any other
+        # source named itself in a handoff (or was met before): it is up, or gone.
+        patient = source == self.name and not self.connected.is_set()
+        if not patient:  # refused at once when it is gone, instead of timeout_s of retries
+            socket.create_connection((host, int(port)), PROBE_TIMEOUT_S).close()
+        timeout = self.config.connect_timeout_s if patient else self.config.timeout_s
+        link = PairLink((host, int(port)), self.mode, self.config.timeout_s, timeout, self._device)
+        self._links[source] = link
+        self.connected.set()
+        return link
 
     def _receive(self, request_id: str, source: str, num_blocks: int) -> torch.Tensor:
-        if self._group is None:
-            raise RuntimeError(f"not connected to the prefill engine at {self.config.address}: "
-                               f"{self._connect_error}")
-        if self._lost is not None:  # the link failed once: the peer's messages are out of step
-            raise RuntimeError(f"the link to the prefill engine at {self.config.address} failed "
-                               f"earlier: {self._lost}")
-        n = self._next
-        self._next += 1
+        link = self._link(source)
         try:
-            self._store.set(f"fetch/{n}", json.dumps({"request_id": request_id, "num_blocks": num_blocks}))
-            reply = json.loads(self._store.get(f"reply/{n}"))
-            self._store.delete_key(f"reply/{n}")
-            if reply["error"] is None:
-                data = self.caches.empty(num_blocks)
-                self._group.recv([data], PREFILL, n % 2**31).wait()
-        except Exception as err:  # a dead or stuck peer: fail the rest at once, not timeout_s each
-            self._lost = err
+            data, error = link.receive(request_id, self.caches.empty(num_blocks))
+        except Exception:  # a dead or stuck peer: the next fetch from it joins anew
+            self._links.pop(source, None)
             raise
-        if reply["error"] is not None:
-            raise RuntimeError(reply["error"])
+        if error is not None:
+            raise RuntimeError(error)
         return data
 
+    def _closed(self, source: str) -> None:
+        link = self._links.pop(source, None)
+        if link is not None:
+            link.close()
+
     def close(self) -> None:
-        super().close()  # the decode side's fetcher sends the server its close message
-        if self.rank == PREFILL and self._store is not None and self._server is not None:
-            # Its own connection: the server thread's wait holds the store client's socket.
-            host, port = self.config.host_port
-            with contextlib.suppress(RuntimeError):
-                waker = dist.TCPStore(host, port, None, False, timedelta(seconds=5), wait_for_workers=False)
-                waker.set(f"fetch/{self._next}", json.dumps({"close": True}))
-            self._server.join(timeout=5)
+        super().close()  # the fetchers close their links: each peer's server stops
+        if self._acceptor is not None:
+            try:
+                waker = store_client(*self.address, 5)
+                waker.set(f"hello/{waker.add('peers', 1) - 1}", '{"close": true}')
+            except RuntimeError:  # torch.distributed's DistError: the store is gone already
+                pass
+            for server in self._servers:
+                server.stop()
+            # Joined before the store goes: a thread left waiting on it aborts the process.
+            for thread in [self._acceptor, *(s.thread for s in self._servers)]:
+                thread.join(timeout=5)
+            self._acceptor = None

@@ -6,6 +6,9 @@ once unless a copy is under way. An offer nobody fetches expires. Decode side: `
 a receive into already-allocated blocks on the endpoint's own thread, so transfers never
 block the engine's step loop, and reports the request "received" (or its error). The engine
 learns both through `poll()`, on its own thread: it alone touches its block manager.
+
+A decode endpoint fetches from any number of prefill endpoints (xPyD): one fetcher thread per
+source, so a slow or dead prefill engine delays only the requests it produced.
 """
 from __future__ import annotations
 
@@ -54,8 +57,8 @@ class KVEndpoint:
         self._offers: dict[str, tuple[list[int], float]] = {}  # request -> (blocks, deadline)
         self._done: queue.SimpleQueue[TransferDone] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._jobs: queue.SimpleQueue[tuple[str, str, list[int]] | None] = queue.SimpleQueue()
-        self._fetcher: threading.Thread | None = None
+        # source -> its fetcher thread and job queue (None: stop)
+        self._fetchers: dict[str, tuple[threading.Thread, queue.SimpleQueue]] = {}
 
     def bind(self, caches: KVCaches) -> None:
         self.caches = caches
@@ -92,18 +95,21 @@ class KVEndpoint:
     # Decode side
 
     def fetch(self, request_id: str, source: str, blocks: list[int]) -> None:
-        self._start_fetcher()
-        self._jobs.put((request_id, source, list(blocks)))
+        self._fetcher_of(source).put((request_id, list(blocks)))
 
-    def _start_fetcher(self) -> None:
-        if self._fetcher is None:
-            self._fetcher = threading.Thread(target=self._fetch_loop, name=f"kv-fetch-{self.name}",
-                                             daemon=True)
-            self._fetcher.start()
+    def _fetcher_of(self, source: str) -> queue.SimpleQueue:
+        with self._lock:
+            if source not in self._fetchers:
+                jobs: queue.SimpleQueue = queue.SimpleQueue()
+                thread = threading.Thread(target=self._fetch_loop, args=(source, jobs),
+                                          name=f"kv-fetch-{source}", daemon=True)
+                self._fetchers[source] = (thread, jobs)
+                thread.start()
+            return self._fetchers[source][1]
 
-    def _fetch_loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            request_id, source, blocks = job
+    def _fetch_loop(self, source: str, jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
+            request_id, blocks = job
             start = time.perf_counter()
             try:
                 data = self._receive(request_id, source, len(blocks))
@@ -114,10 +120,14 @@ class KVEndpoint:
                 done = TransferDone(request_id, "received", f"the KV transfer of request "
                                     f"{request_id!r} from {source} failed: {err}")
             self._post(done)
+        self._closed(source)
 
     def _receive(self, request_id: str, source: str, num_blocks: int) -> torch.Tensor:
         """The K/V of request_id's blocks from `source`: each transport's own."""
         raise NotImplementedError
+
+    def _closed(self, source: str) -> None:
+        """The fetcher of `source` stopped (close): a transport's own link teardown."""
 
     # Both
 
@@ -158,7 +168,9 @@ class KVEndpoint:
         self._wake.clear()
 
     def close(self) -> None:
-        if self._fetcher is not None:
-            self._jobs.put(None)
-            self._fetcher.join(timeout=5)
-            self._fetcher = None
+        with self._lock:
+            fetchers, self._fetchers = list(self._fetchers.values()), {}
+        for _, jobs in fetchers:
+            jobs.put(None)
+        for thread, _ in fetchers:
+            thread.join(timeout=5)

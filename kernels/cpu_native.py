@@ -1,0 +1,157 @@
+"""FlagServe's native CPU kernels (kernels/csrc/cpu_*.cpp), built on first use (issue 16).
+
+- Decode attention reads the paged cache in place (cpu_paged_attention.cpp) instead of
+  gathering every sequence's blocks into a dense copy for SDPA (decode_attention.py): on a
+  full decode batch that copy is more bytes per step than the model's weights.
+- RMSNorm, residual add + RMSNorm, SiLU-and-mul and rotary + KV store are one pass each
+  (cpu_elementwise.cpp) where the reference runs 5-15 torch ops.
+
+Built once per machine with the C++ compiler torch.compile uses too, into
+~/.cache/flagserve/cpu-kernels (keyed by the sources, torch's version and the CPU's flags:
+it is compiled for this CPU). Where no compiler works, `available()` is False and the engine
+keeps the torch reference. FLAGSERVE_CPU_KERNELS=auto (default: native when it builds) |
+native (fail if it does not build) | torch (the reference).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import time
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from kernels.backend import KernelOps
+from kernels.rms_norm import rms_norm_torch
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "native", "torch")
+KERNELS_ENV = "FLAGSERVE_CPU_KERNELS"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("cpu_*.cpp"))
+CACHE = Path.home() / ".cache" / "flagserve" / "cpu-kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def _capability(flags: str) -> list[str]:
+    """ATen's vector width for this CPU (at::vec compiles to scalar code without one)."""
+    have = set(flags.split())
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= have:
+        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if {"avx2", "fma"} <= have:
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return []
+
+
+def _build_name() -> str:
+    key = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
+    for source in SOURCES:
+        key.update(source.read_bytes())
+    return f"flagserve_cpu_kernels_{key.hexdigest()[:12]}"
+
+
+@cache
+def load_library() -> bool:
+    """Builds (once per machine) and loads the ops into torch.ops.flagserve_cpu."""
+    from torch.utils import cpp_extension
+
+    name = _build_name()
+    directory = CACHE / name
+    built = (directory / f"{name}.so").exists()
+    if not built:
+        log.info("building FlagServe's CPU kernels (once, ~30 s) into %s", directory)
+    start = time.perf_counter()
+    directory.mkdir(parents=True, exist_ok=True)
+    # -fopenmp: at::parallel_for is an inline OpenMP loop; the libgomp it links resolves to
+    # the one torch already loaded (same soname), so there is one thread pool.
+    cpp_extension.load(name, [str(s) for s in SOURCES],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability(_cpu_flags())],
+                       extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                       is_python_module=False, verbose=False)
+    if not built:
+        log.info("built the CPU kernels in %.1f s", time.perf_counter() - start)
+    return True
+
+
+def kernels_mode(requested: str | None = None) -> str:
+    mode = requested if requested is not None else os.environ.get(KERNELS_ENV, "auto")
+    if mode not in MODES:
+        raise ValueError(f"{KERNELS_ENV} must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def available(mode: str | None = None) -> bool:
+    """Whether CPU engines run the native kernels (building them if needed)."""
+    mode = kernels_mode(mode)
+    if mode == "torch":
+        return False
+    try:
+        return load_library()
+    except Exception as exc:  # no compiler, headers or a failed build: the reference still works
+        if mode == "native":
+            raise
+        log.warning("native CPU kernels unavailable, using the torch reference: %s", exc)
+        return False
+
+
+# The ops, with the contracts of their torch references (kernels/*.py).
+
+def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    return torch.ops.flagserve_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                          seq_lens, scale)
+
+
+def _rows(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.stride(1) == 1
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _rows(x) or weight.dtype != x.dtype:
+        return rms_norm_torch(x, weight, eps)
+    return torch.ops.flagserve_cpu.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (_rows(x) and _rows(residual)) or weight.dtype != x.dtype:
+        residual = x + residual
+        return rms_norm_torch(residual, weight, eps), residual
+    return torch.ops.flagserve_cpu.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.flagserve_cpu.silu_and_mul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+
+def rotary_store_kvcache_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor, cos_sin_cache: torch.Tensor,
+                             q_norm_weight: torch.Tensor | None = None,
+                             k_norm_weight: torch.Tensor | None = None,
+                             eps: float = 0.0) -> torch.Tensor:
+    if q_norm_weight is not None:  # Qwen3's per-head norms: the reference's, then fused
+        q, k = rms_norm_torch(q, q_norm_weight, eps), rms_norm_torch(k, k_norm_weight, eps)
+    torch.ops.flagserve_cpu.rotary_store_kvcache(positions, q, k, v, k_cache, v_cache,
+                                                 slot_mapping, cos_sin_cache)
+    return q
+
+
+def native_ops(ops: KernelOps) -> KernelOps:
+    """`ops` with every op that has a native CPU kernel replaced by it."""
+    return dataclasses.replace(ops, name=f"{ops.name}+cpu-native",
+                               paged_decode_attention=paged_decode_attention_cpu,
+                               rms_norm=rms_norm_cpu, fused_add_rms_norm=fused_add_rms_norm_cpu,
+                               silu_and_mul=silu_and_mul_cpu,
+                               rotary_store_kvcache=rotary_store_kvcache_cpu)

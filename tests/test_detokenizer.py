@@ -1,0 +1,61 @@
+"""Incremental detokenization against the tokenizer's own decode of everything at once."""
+import random
+
+import pytest
+
+from flagserve.engine.detokenizer import IncrementalDetokenizer, decoder, find_stop_string
+from flagserve.models.tokenizer import load_tokenizer
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="module", params=ARCHS + ["smollm2"])
+def tokenizer(request, tiny_model_factory):
+    if request.param != "smollm2":
+        return load_tokenizer(tiny_model_factory(request.param))
+    from flagserve.models.packaged import smollm2_gguf
+    try:
+        return load_tokenizer(smollm2_gguf())
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+
+
+def random_ids(tokenizer, rng: random.Random, n: int) -> list[int]:
+    # Every id, special ones included: byte tokens make multi-byte characters span tokens.
+    return [rng.randrange(len(tokenizer)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decoder_is_the_tokenizers_decode(tokenizer, skip_special_tokens):
+    rng = random.Random(0)
+    decode = decoder(tokenizer, skip_special_tokens)
+    for n in (0, 1, 2, 7, 40):
+        for _ in range(20):
+            ids = random_ids(tokenizer, rng, n)
+            assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_deltas_add_up_to_the_whole_decode(tokenizer):
+    # The text streamed token by token is the decode of all output tokens (given the prompt),
+    # once no incomplete character is left at the end.
+    rng = random.Random(1)
+    text = "caf\u00e9 \u4f60\u597d, na\u00efve \U0001f600 r\u00e9sum\u00e9 " * 3
+    natural = tokenizer.encode(text, add_special_tokens=False)
+    for trial in range(30):
+        prompt = random_ids(tokenizer, rng, rng.randrange(1, 12))
+        out = natural[:rng.randrange(1, len(natural))] if trial % 2 else random_ids(tokenizer, rng, 30)
+        detok = IncrementalDetokenizer.for_prompt(tokenizer, len(prompt), skip_special_tokens=True)
+        ids = list(prompt)
+        for token in out:
+            ids.append(token)
+            detok.append(ids)
+        whole = tokenizer.decode(prompt + out, skip_special_tokens=True)
+        head = tokenizer.decode(prompt, skip_special_tokens=True)
+        if not whole.endswith("\ufffd"):
+            assert head + detok.text == whole
+
+
+def test_find_stop_string_earliest_match_ending_in_the_delta():
+    assert find_stop_string("abcSTOPdef", 3, ["STOP"]) is None  # ended before the delta
+    assert find_stop_string("abcSTOPdef", 5, ["STOP", "def"]) == ("STOP", 3)
+    assert find_stop_string("xxENDyy", 4, ["yy", "END"]) == ("END", 2)
