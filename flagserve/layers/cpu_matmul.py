@@ -10,7 +10,8 @@ differ from F.linear's by rounding only (about 1e-6 relative).
 
 CpuMatmul modes (FLAGSERVE_CPU_MATMUL, default auto): `aten` is F.linear everywhere;
 `onednn` packs every linear layer and the LM head; `auto` is onednn on a CPU where torch
-has oneDNN (mkldnn) and the dtype is float32 or bfloat16, else aten.
+has oneDNN (mkldnn) and the dtype is float32, or bfloat16 on a CPU with oneDNN's bf16 path
+(AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has none), else aten.
 """
 from __future__ import annotations
 
@@ -32,14 +33,20 @@ def matmul_mode(device: torch.device, dtype: torch.dtype, requested: str | None 
     mode = requested if requested is not None else os.environ.get(MATMUL_ENV, "auto")
     if mode not in get_args(CpuMatmul):
         raise ValueError(f"{MATMUL_ENV} must be one of {get_args(CpuMatmul)}, got {mode!r}")
-    usable = (device.type == "cpu" and torch.backends.mkldnn.is_available()
-              and dtype in (torch.float32, torch.bfloat16))
+    usable = device.type == "cpu" and torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_supported()))
     if mode == "auto":
         return "onednn" if usable else "aten"
     if mode == "onednn" and not usable:
-        raise ValueError(f"{MATMUL_ENV}=onednn needs a CPU model in float32 or bfloat16 "
-                         f"and torch built with oneDNN (device {device}, dtype {dtype})")
+        raise ValueError(f"{MATMUL_ENV}=onednn needs a CPU model in float32, or bfloat16 on a "
+                         f"CPU with oneDNN's bf16 path, and torch built with oneDNN "
+                         f"(device {device}, dtype {dtype})")
     return mode
+
+
+def bf16_supported() -> bool:
+    """Whether oneDNN multiplies bfloat16 on this CPU (packing raises where it cannot)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # noqa: SLF001 - torch's own check
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -32,9 +32,50 @@ def scrape(url: str, name: str) -> dict[tuple[str, ...], float]:
             for labels, value in re.findall(rf'^{re.escape(name)}\{{([^}}]*)\}} (\S+)$', text, re.M)}
 
 
+def counters(url: str) -> dict[str, dict[tuple[str, ...], float]]:
+    names = ("vllm:request_success_total", "flagserve:router_decisions_total",
+             "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    return {name: scrape(url, name) for name in names}
+
+
+def settled(url: str, requests_done: int) -> dict[str, dict[tuple[str, ...], float]]:
+    """The counters once the engines' and routers' pushes (every 0.5 s) cover
+    `requests_done` requests."""
+    for _ in range(40):
+        c = counters(url)
+        if (sum(c["vllm:request_success_total"].values()) == requests_done
+                and sum(c["flagserve:router_decisions_total"].values()) == requests_done):
+            break
+        time.sleep(0.5)
+    return c
+
+
+def since(after: dict, before: dict) -> dict[str, dict[tuple[str, ...], float]]:
+    return {name: {k: v - before[name].get(k, 0.0) for k, v in samples.items()
+                   if v != before[name].get(k, 0.0)} for name, samples in after.items()}
+
+
+def warm_up(session: requests.Session, url: str) -> int:
+    """Requests of their own (one full block each) until both engines served one: a router may
+    not know the second replica for its first few requests after start-up."""
+    sent = 0
+    for _ in range(10):
+        for _ in range(2):
+            r = session.post(f"{url}/v1/completions", timeout=60, json={
+                "model": "tiny-llama", "max_tokens": 1,
+                "prompt": [5 + (sent * 7 + i) % 90 for i in range(20)]})
+            assert r.status_code == 200, r.text
+            sent += 1
+        served = settled(url, sent)["vllm:request_success_total"]
+        if len({k[0] for k, n in served.items() if n > 0}) == 2:
+            return sent
+    raise AssertionError(f"after {sent} requests one engine has served none: {served}")
+
+
 def serve_and_measure(tmp_path, strategy: str) -> tuple[float, dict, dict]:
-    """Start 2 replicas routed by `strategy`, send the prompts, return the prefix-cache hit
-    rate over both engines, requests finished per engine and the router's decisions."""
+    """Start 2 replicas routed by `strategy`, warm both up, send the prompts, return (for the
+    prompts alone) the prefix-cache hit rate over both engines, requests finished per engine
+    and the router's decisions."""
     port = free_port()
     args = tiny_serve_args(tmp_path / strategy, port, "serve.llm.resources.num_replicas=2",
                            f"serve.llm.router.strategy={strategy}",
@@ -45,21 +86,17 @@ def serve_and_measure(tmp_path, strategy: str) -> tuple[float, dict, dict]:
         assert result.returncode == 0, result.stdout + result.stderr
         url = f"http://127.0.0.1:{port}"
         with requests.Session() as s:
+            warm = warm_up(s, url)
+            before = settled(url, warm)
             for prompt in prompts():
                 r = s.post(f"{url}/v1/completions", timeout=60,
                            json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 1})
                 assert r.status_code == 200, r.text
-        total = PREFIXES * REPEATS
-        for _ in range(40):  # engines and routers push every 0.5 s
-            served = scrape(url, "vllm:request_success_total")
-            decisions = scrape(url, "flagserve:router_decisions_total")
-            done = {k[0]: v for k, v in served.items() if k[1] == "length"}
-            if sum(done.values()) == total and sum(decisions.values()) == total:
-                break
-            time.sleep(0.5)
-        hits = sum(scrape(url, "vllm:prefix_cache_hits_total").values())
-        queries = sum(scrape(url, "vllm:prefix_cache_queries_total").values())
-        return hits / queries, done, decisions
+        c = since(settled(url, warm + PREFIXES * REPEATS), before)
+        done = {k[0]: v for k, v in c["vllm:request_success_total"].items() if k[1] == "length"}
+        hits = sum(c["vllm:prefix_cache_hits_total"].values())
+        queries = sum(c["vllm:prefix_cache_queries_total"].values())
+        return hits / queries, done, c["flagserve:router_decisions_total"]
     finally:
         stop = run_py(*args, "action=stop", timeout=120)
         if stop.returncode != 0:
