@@ -28,7 +28,7 @@ from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.outputs import RequestOutput, merge_deltas
 from flagserve.entrypoints.openai.engine_client import EngineChunk, EngineRequest, ModelInfo
 from flagserve.serve.metrics import EngineMetrics
-from flagserve.serve.metrics_hub import push_forever
+from flagserve.serve.metrics_hub import push_forever, start_pusher
 
 
 class EngineDeployment:
@@ -93,7 +93,7 @@ class EngineDeployment:
 
     def _start_pusher(self) -> None:
         if self.metrics_hub is not None and self._pusher is None:
-            self._pusher = asyncio.get_running_loop().create_task(self._push_metrics())
+            self._pusher = start_pusher(asyncio.get_running_loop(), self._push_metrics())
 
     async def _push_metrics(self) -> None:
         key = (self.info_.model_name, self.replica)

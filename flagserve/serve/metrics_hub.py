@@ -7,9 +7,10 @@ of them, however many replicas autoscaling has started.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 
 from flagserve.serve.metrics import render
 from flagserve.serve.metrics_router import RouterCollector
@@ -41,6 +42,14 @@ def _live(pushed: dict[tuple[str, str], tuple[float, dict]]) -> dict[tuple[str, 
     return {k: s for k, (t, s) in pushed.items() if now - t < STALE_AFTER_S}
 
 
+def start_pusher(loop: asyncio.AbstractEventLoop, pusher: Coroutine) -> asyncio.Task:
+    """Run `pusher` (push_forever) on `loop` outside any request's context. A task started
+    while serving a request inherits Serve's request context, and Serve cancels the calls made
+    under it when that request is cancelled (every prefill call is, once its KV has moved):
+    the push under way would be cancelled, and with it the pusher, for good."""
+    return loop.create_task(pusher, context=contextvars.Context())
+
+
 async def push_forever(snapshot: Callable[[], dict], push: Callable[[dict], Awaitable]) -> None:
     """Push `snapshot()` on change, and as a heartbeat; failures are logged, never raised."""
     last, last_time = None, 0.0
@@ -50,6 +59,10 @@ async def push_forever(snapshot: Callable[[], dict], push: Callable[[dict], Awai
             try:
                 await push(snap)
                 last, last_time = snap, time.monotonic()
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # this pusher is being stopped
+                log.warning("a metrics push was cancelled; pushing again")
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 log.warning("pushing metrics failed", exc_info=True)
         await asyncio.sleep(PUSH_INTERVAL_S)

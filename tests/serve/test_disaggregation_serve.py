@@ -2,12 +2,14 @@
 KV over gloo between their engine processes) through run.py and HTTP: the same completions
 as the aggregated deployment (greedy with logprobs, seeded sampling with n=2, a request that
 ends with its first token, streamed and not); prompts sharing a prefix go to the prefill
-replica that holds it; /metrics shows each role's KV transfers and the TTFT split; a client
+replica that holds it; /metrics shows each role's KV transfers and the TTFT split; action=test
+and action=bench run against the split deployment; a client
 that disconnects frees the blocks of both sides; a decode replica killed mid-request gives
 its client an error or a retried completion, never a hang, and the replica Serve starts in
 its place pairs with the prefill replicas; stop leaves nothing."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -43,7 +45,7 @@ def completions(url: str) -> list[list[tuple]]:
             text, finish = "", None
             for line in r.iter_lines():
                 if line.startswith(b"data: {"):
-                    choice = __import__("json").loads(line[6:])["choices"][0]
+                    choice = json.loads(line[6:])["choices"][0]
                     text, finish = text + choice["text"], choice["finish_reason"] or finish
             out.append([(0, text, finish, None)])
             continue
@@ -88,12 +90,28 @@ def test_disaggregated_outputs_match_aggregated(tmp_path):
         got = completions(url)
         assert same(got, reference), (got, reference)
         routed_and_measured_by_role(url)
+        smoke_and_bench_cover_the_split(args, tmp_path / "split")
         disconnect_frees_both_engines(url)
         killed_decode_replica_never_hangs(url, tmp_path / "split")
         stop_leaves_nothing(tmp_path / "split", args)
     finally:
         if run_py(*args, "action=stop", timeout=120).returncode != 0:
             kill_recorded(tmp_path / "split")
+
+
+def smoke_and_bench_cover_the_split(args: list[str], exp_dir) -> None:
+    """action=test and action=bench on the running split deployment (it stays running)."""
+    smoke = run_py(*args, "action=test", timeout=120)
+    assert smoke.returncode == 0 and "test passed" in smoke.stdout, smoke.stdout + smoke.stderr
+    bench = run_py(*args, "action=bench", "experiment.bench.num_prompts=4",
+                   "experiment.bench.warmup=0", "experiment.bench.output_len=4",
+                   "experiment.bench.input_len=16", "experiment.bench.range_ratio=0",
+                   "experiment.bench.baselines=[]", timeout=300)
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    result = json.loads(next((exp_dir / "bench").glob("*/result.json")).read_text())
+    requests_sent = [r for rs in result["requests"].values() for r in rs]
+    assert len(requests_sent) == 4 and not any(r["error"] for r in requests_sent), requests_sent
+    assert all(r["output_len"] == 4 for r in requests_sent), requests_sent
 
 
 def engine_metrics(url: str, name: str, labels: str = "") -> dict[tuple[str, str], float]:
@@ -122,7 +140,9 @@ def routed_and_measured_by_role(url: str) -> None:
     while not (re.search(affinity, text := requests.get(f"{url}/metrics", timeout=10).text)
                and metric_sum(url, "flagserve:kv_transfer_received_requests_total", "decode") >= 3
                and len(set(bytes_moved())) == 1):
-        assert time.time() < deadline, (bytes_moved(), text)
+        assert time.time() < deadline, (
+            engine_metrics(url, "flagserve:kv_transfer_sent_bytes_total"),
+            engine_metrics(url, "flagserve:kv_transfer_received_bytes_total"), text)
         time.sleep(0.5)
     assert metric_sum(url, "vllm:prefix_cache_hits_total", "prefill") >= 16
     assert bytes_moved()[0] > 0

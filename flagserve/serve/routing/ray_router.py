@@ -21,7 +21,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from flagserve.config.schema import RouterConfig
-from flagserve.serve.metrics_hub import HUB_NAME, push_forever
+from flagserve.serve.metrics_hub import HUB_NAME, push_forever, start_pusher
 from flagserve.serve.metrics_router import RouterCounts
 from flagserve.serve.routing.prefix import prefix_hashes
 from flagserve.serve.routing.strategy import Decision, ReplicaLoad, load, make_strategy
@@ -73,7 +73,7 @@ class EngineRouter(RequestRouter):
             self.strategy.routed(replica, prefix)
         self.counts.add(replica, decision.outcome if decision.replica == replica else "fallback")
         if self._reporter is None:
-            self._reporter = self._event_loop.create_task(self._report())
+            self._reporter = start_pusher(self._event_loop, self._report())
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = {rid.unique_id for rid in self._replica_id_set} - {r.replica_id.unique_id
