@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -66,6 +67,43 @@ inline float exp_sum(float* x, int64_t n, float m) {
   return s;
 }
 
+// f(t, offset of row t in the cache) for t in [0, len), block by block: a division per
+// token (t / block_size with a runtime block size) cost as much as the row's dot product.
+template <typename F>
+inline void for_rows(const int32_t* table, int64_t len, const Layout& l, F&& f) {
+  for (int64_t start = 0, b = 0; start < len; start += l.block_size, ++b) {
+    const int64_t base = table[b] * l.block_stride, n = std::min(l.block_size, len - start);
+    for (int64_t j = 0; j < n; ++j) f(start + j, base + j * l.token_stride);
+  }
+}
+
+// acc[g] = sum over t of p[g, t] * V[t] for float32 caches, 4 vectors of a row at a time:
+// the sums stay in registers over the whole sequence (the axpy form loads and stores acc
+// for every cached row, which made this pass compute-bound).
+inline void weighted_rows(const float* v, const int32_t* table, int64_t len, const Layout& l,
+                          const float* p, float* acc) {
+  constexpr int64_t W = 4 * Vec::size();
+  for (int64_t g = 0; g < l.groups; ++g) {
+    const float* pg = p + g * len;
+    for (int64_t c = 0; c < l.head_dim; c += W) {
+      Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+      for_rows(table, len, l, [&](int64_t t, int64_t row) {
+        const float* r = v + row + c;
+        const Vec pt(pg[t]);
+        a0 = at::vec::fmadd(pt, Vec::loadu(r), a0);
+        a1 = at::vec::fmadd(pt, Vec::loadu(r + Vec::size()), a1);
+        a2 = at::vec::fmadd(pt, Vec::loadu(r + 2 * Vec::size()), a2);
+        a3 = at::vec::fmadd(pt, Vec::loadu(r + 3 * Vec::size()), a3);
+      });
+      float* out = acc + g * l.head_dim + c;
+      a0.store(out);
+      a1.store(out + Vec::size());
+      a2.store(out + 2 * Vec::size());
+      a3.store(out + 3 * Vec::size());
+    }
+  }
+}
+
 // Attends the `groups` query heads in `qf` (float32, pre-scaled, [groups, head_dim]) to
 // cached positions [0, len) of one KV head; writes [groups, head_dim] at `out` (head stride
 // `out_stride`). `scores` holds groups * len floats, `acc` and `tmp` groups * head_dim.
@@ -73,22 +111,24 @@ template <typename T>
 void attend(const float* qf, const T* k, const T* v, const int32_t* table, int64_t len,
             const Layout& l, float* scores, float* acc, float* tmp, T* out, int64_t out_stride) {
   const int64_t D = l.head_dim, G = l.groups;
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t row = table[t / l.block_size] * l.block_stride + (t % l.block_size) * l.token_stride;
+  for_rows(table, len, l, [&](int64_t t, int64_t row) {
     const float* kr = as_float<T>(k + row, D, tmp);
     for (int64_t g = 0; g < G; ++g) scores[g * len + t] = dot(qf + g * D, kr, D);
-  }
+  });
   std::vector<float> inv(G);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * len;
     const float m = *std::max_element(sg, sg + len);
     inv[g] = 1.f / exp_sum(sg, len, m);
   }
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t row = table[t / l.block_size] * l.block_stride + (t % l.block_size) * l.token_stride;
-    const float* vr = as_float<T>(v + row, D, tmp);
-    for (int64_t g = 0; g < G; ++g) axpy(scores[g * len + t], vr, acc + g * D, D);
+  if (std::is_same<T, float>::value && D % (4 * Vec::size()) == 0) {
+    weighted_rows(reinterpret_cast<const float*>(v), table, len, l, scores, acc);
+  } else {
+    std::fill(acc, acc + G * D, 0.f);
+    for_rows(table, len, l, [&](int64_t t, int64_t row) {
+      const float* vr = as_float<T>(v + row, D, tmp);
+      for (int64_t g = 0; g < G; ++g) axpy(scores[g * len + t], vr, acc + g * D, D);
+    });
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * out_stride + d] = static_cast<T>(acc[g * D + d] * inv[g]);
