@@ -21,6 +21,7 @@ import os
 import time
 from functools import cache
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 
@@ -29,7 +30,7 @@ from kernels.rms_norm import rms_norm_torch
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "native", "torch")
+CpuKernels = Literal["auto", "native", "torch"]
 KERNELS_ENV = "FLAGSERVE_CPU_KERNELS"
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("cpu_*.cpp"))
 CACHE = Path.home() / ".cache" / "flagserve" / "cpu-kernels"
@@ -83,10 +84,10 @@ def load_library() -> bool:
     return True
 
 
-def kernels_mode(requested: str | None = None) -> str:
+def kernels_mode(requested: str | None = None) -> CpuKernels:
     mode = requested if requested is not None else os.environ.get(KERNELS_ENV, "auto")
-    if mode not in MODES:
-        raise ValueError(f"{KERNELS_ENV} must be one of {MODES}, got {mode!r}")
+    if mode not in get_args(CpuKernels):
+        raise ValueError(f"{KERNELS_ENV} must be one of {get_args(CpuKernels)}, got {mode!r}")
     return mode
 
 
