@@ -53,6 +53,10 @@ class DirectHTTPServer:
                                 log_level="warning", timeout_keep_alive=30, http="h11",
                                 h11_max_incomplete_event_size=self.max_header_bytes)
         self.server = _Server(config)
+        # Listen now, not when the serve task first runs: the replica reports ready when this
+        # returns, and a socket not yet listening gets no share of SO_REUSEPORT's connections
+        # (a busy loop left one of two replicas out of 30 connections in CI).
+        self.sock.listen(config.backlog)
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
         self.task.add_done_callback(self._on_exit)
         log.info("serving HTTP on %s:%d", self.host, self.port)
