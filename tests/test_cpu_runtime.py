@@ -73,7 +73,7 @@ def test_preload_puts_found_libraries_first_once():
     assert preload_env({}, libs) == {"LD_PRELOAD": "/x/libtcmalloc_minimal.so.4:/v/lib/libiomp5.so"}
     assert preload_env({"LD_PRELOAD": "/a.so"}, libs[:1]) == {
         "LD_PRELOAD": "/x/libtcmalloc_minimal.so.4:/a.so"}
-    assert preload_env({"LD_PRELOAD": ":".join(libs)}, libs) == {}  # already there: no re-exec
+    assert preload_env({"LD_PRELOAD": ":".join(libs)}, libs) == {}  # already there: nothing to add
     assert preload_env({"FLAGSERVE_CPU_PRELOAD": "0"}, libs) == {}
     assert preload_env({}, []) == {}  # nothing installed: silently nothing
 

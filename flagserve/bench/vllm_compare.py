@@ -22,7 +22,12 @@ import sys
 from pathlib import Path
 
 from flagserve.bench.throughput import make_workload
-from flagserve.engine.cpu_runtime import intel_openmp_library, preload_env, tcmalloc_library
+from flagserve.engine.cpu_runtime import (
+    intel_openmp_library,
+    preload_env,
+    runtime_env,
+    tcmalloc_library,
+)
 
 WORKER = Path(__file__).resolve().parents[2] / "benchmarks" / "offline_worker.py"
 CACHE = Path.home() / ".cache" / "flagserve" / "hf-from-gguf"
@@ -116,7 +121,11 @@ def main() -> None:
     from flagserve.models.packaged import smollm2_gguf
 
     model = hf_directory(args.model or str(smollm2_gguf()))
-    workers = [Worker("flagserve", sys.executable, model, dict(os.environ)),
+    # Only the FlagServe worker starts with the engine's runtime, never this process: with
+    # OMP_PLACES set, OpenMP pins the thread that loads it to the first place, and children
+    # inherit that affinity (both workers ran on one core until 2026-11-24).
+    ours = {**os.environ, **runtime_env(os.environ)}
+    workers = [Worker("flagserve", sys.executable, model, ours),
                Worker("vllm", args.vllm_python, model, vllm_env(args.vllm_python, args.kv_cache_gib))]
     print("load: " + ", ".join(f"{w.name} {w.load_seconds:.1f} s" for w in workers), flush=True)
     try:

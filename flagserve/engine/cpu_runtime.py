@@ -118,7 +118,7 @@ def replica_cpus(host_cpus: int, engine_replicas: int) -> float:
 
 # tcmalloc (vLLM's CPU guide recommends it with Intel OpenMP): LD_PRELOAD works only for a
 # process that starts with it, so the engine process gets it at spawn (core/process.py) and
-# the benchmarks re-execute themselves with it. Missing, it is skipped silently;
+# compare_vllm's FlagServe worker gets it in its environment. Missing, it is skipped silently;
 # FLAGSERVE_CPU_PRELOAD=0 turns it off. Intel OpenMP is not preloaded for FlagServe: on top
 # of tcmalloc it measured 3-17% slower than torch's own GNU OpenMP (docs/performance.md, CPU).
 PRELOAD_ENV = "FLAGSERVE_CPU_PRELOAD"
@@ -157,14 +157,3 @@ def runtime_env(env: Mapping[str, str]) -> dict[str, str]:
     """What a CPU process started with `env` lacks of the engine's thread plan and tcmalloc."""
     wanted = {**engine_thread_plan(env).env(env), **preload_env(env, tcmalloc_library())}
     return {k: v for k, v in wanted.items() if env.get(k) != v}
-
-
-def reexec_with_cpu_runtime() -> None:
-    """Restart this Python program once with the engine's CPU runtime (the benchmarks: the
-    same threads, wait policy and libraries as a served engine process); a no-op when it
-    has them all."""
-    import sys
-
-    extra = runtime_env(os.environ)
-    if extra:
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **extra})
