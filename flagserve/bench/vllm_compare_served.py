@@ -45,8 +45,9 @@ def wait_healthy(root: str, alive, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def flagserve_server(port: int) -> Iterator[str]:
-    overrides = [f"experiment.runner.deploy.port={port}", f"experiment.exp_name={EXPERIMENT}"]
+def flagserve_server(port: int, extra: list[str]) -> Iterator[str]:
+    overrides = [f"experiment.runner.deploy.port={port}", f"experiment.exp_name={EXPERIMENT}",
+                 *extra]
     run = [sys.executable, "run.py", "--config-name", "serve", *overrides]
     subprocess.run([*run, "action=run"], cwd=ROOT, check=True)
     try:
@@ -101,14 +102,16 @@ def rate_name(rate: float) -> str:
 def table(results: dict[str, dict[str, BenchmarkMetrics]]) -> str:
     rows = ["| rate | engine | output tok/s | median TTFT ms | median ITL ms | p99 TTFT ms |",
             "|---|---|---|---|---|---|"]
-    for rate in results["flagserve"]:
+    for rate in next(iter(results.values())):
         for engine in results:
             m = results[engine][rate]
             lat = m.latency_ms
             rows.append(f"| {rate} | {engine} | {m.output_throughput:.1f} | "
                         f"{lat['ttft']['median']:.0f} | {lat['itl']['median']:.0f} | "
                         f"{lat['ttft']['p99']:.0f} |")
-        ours, theirs = results["flagserve"][rate], results["vllm"][rate]
+        ours, theirs = (results.get(e, {}).get(rate) for e in ("flagserve", "vllm"))
+        if ours is None or theirs is None:
+            continue
         rows.append(f"| {rate} | FlagServe / vLLM | "
                     f"{ours.output_throughput / theirs.output_throughput:.2f}x | "
                     + " | ".join(f"{ours.latency_ms[k][q] / theirs.latency_ms[k][q]:.2f}x"
@@ -120,7 +123,7 @@ def table(results: dict[str, dict[str, BenchmarkMetrics]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True, help="the interpreter of vLLM's venv")
+    parser.add_argument("--vllm-python", help="the interpreter of vLLM's venv")
     parser.add_argument("--rates", type=float, nargs="+", default=[4.0, math.inf])
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=int, default=128)
@@ -128,13 +131,22 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engines", nargs="+", choices=["flagserve", "vllm"],
+                        default=["flagserve", "vllm"])
+    parser.add_argument("--flagserve-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a run.py override of FlagServe's experiment (repeatable), e.g. "
+                             "serve.llm.engine_args.max_num_seqs=128")
     args = parser.parse_args()
+    if "vllm" in args.engines and not args.vllm_python:
+        parser.error("--vllm-python is needed to run vllm (or --engines flagserve)")
     from flagserve.models.packaged import smollm2_gguf
 
     model = hf_directory(str(smollm2_gguf()))
     results = {}
-    with flagserve_server(args.port) as root:
-        results["flagserve"] = bench_server(root, model, args)
-    with vllm_server(args.vllm_python, model, args.port, args.kv_cache_gib) as root:
-        results["vllm"] = bench_server(root, model, args)
+    if "flagserve" in args.engines:
+        with flagserve_server(args.port, args.flagserve_override) as root:
+            results["flagserve"] = bench_server(root, model, args)
+    if "vllm" in args.engines:
+        with vllm_server(args.vllm_python, model, args.port, args.kv_cache_gib) as root:
+            results["vllm"] = bench_server(root, model, args)
     print(table(results), flush=True)
