@@ -1,5 +1,5 @@
 """The Ray environment of an experiment: token authentication, the object store size, and
-the Ray Serve settings every serving process starts with (each can be overridden in
+the Ray settings every serving process starts with (each can be overridden in
 `experiment.envs`, or in the environment run.py is started from).
 
 The four Serve switches are the non-experimental part of Ray's
@@ -15,6 +15,10 @@ SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+    # The raylet starts every worker at nice 15 (Ray's default, for batch jobs): the engine
+    # replicas and their engine processes would then yield their cores to Ray's own daemons
+    # and anything else on the host at nice 0, op after op.
+    "RAY_worker_niceness": "0",
 }
 
 OBJECT_STORE_BYTES = 256 * 2**20  # Serve moves small messages; don't reserve GBs of /dev/shm

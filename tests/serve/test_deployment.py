@@ -294,6 +294,21 @@ def test_dead_engine_process_gives_503_then_the_replica_is_replaced(deployment):
     assert new.pid != old.pid
 
 
+def test_replicas_and_engine_run_at_the_servers_priority(deployment):
+    """Ray starts its workers at nice 15 unless told otherwise: a CPU engine would yield its
+    cores to every other process of the host."""
+    from flagserve.cluster.records import ExpPaths, load_processes
+    from flagserve.runner.launcher import session_members
+
+    (server, *_) = load_processes(ExpPaths(deployment.exp_dir))
+    members = session_members(server)
+    workers = [p for p in members if p.name().startswith("ray::ServeReplica")
+               or "flagserve.engine.core.process" in " ".join(p.cmdline())]
+    assert len(workers) >= 2, [p.name() for p in members]
+    leader = next(p for p in members if p.pid == server.pid)
+    assert {p.nice() for p in workers} == {leader.nice()}, [(p.name(), p.nice()) for p in workers]
+
+
 def test_status_reports_deployments(deployment):
     result = deployment.run_py("status")
     assert result.returncode == 0, result.stdout + result.stderr
