@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import get_args
 
 from flagserve.bench import report, suite
-from flagserve.bench.client import Target, get
+from flagserve.bench.client import Target
+from flagserve.cluster import http
 from flagserve.config.schema import BENCH_BASELINES, BenchDataset, BenchEndpoint
 
 
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def served_model(root: str, api_key: str | None) -> dict:
-    return json.loads(get(root, "/v1/models", api_key, timeout=30))["data"][0]
+    return json.loads(http.get(f"{root}/v1/models", api_key, timeout=30))["data"][0]
 
 
 def engine_args(args: argparse.Namespace, model_dir: str) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +26,6 @@ TIMEOUT_S = 6 * 3600
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def get(root: str, path: str, api_key: str | None, timeout: float) -> bytes:
-    """The body of GET root + path (/v1/models, /metrics); raises OSError on failure."""
-    req = urllib.request.Request(root.rstrip("/") + path, headers=auth_headers(api_key))
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read()
 
 
 @dataclass

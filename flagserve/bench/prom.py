@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import time
 
-from flagserve.bench.client import get
+from flagserve.cluster.http import get
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
@@ -24,7 +24,7 @@ def parse(text: str, names: tuple[str, ...] = COUNTERS) -> dict[str, float]:
 def scrape(root: str, api_key: str | None = None, timeout: float = 10.0) -> dict[str, float] | None:
     """The counters, or None when the server has no readable /metrics."""
     try:
-        return parse(get(root, "/metrics", api_key, timeout).decode(errors="replace"))
+        return parse(get(f"{root}/metrics", api_key, timeout).decode(errors="replace"))
     except (OSError, ValueError):
         return None
 

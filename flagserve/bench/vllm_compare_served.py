@@ -19,29 +19,22 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from flagserve.bench.client import Target, get
+from flagserve.bench.client import Target
 from flagserve.bench.metrics import BenchmarkMetrics
 from flagserve.bench.suite import Settings, http_run, workload
 from flagserve.bench.vllm_compare import hf_directory, vllm_env
+from flagserve.cluster import http
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENT = "compare-vllm-served"
 
 
 def wait_healthy(root: str, alive, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not alive():
-            raise RuntimeError(f"the server for {root} exited before it was healthy")
-        with contextlib.suppress(OSError):
-            get(root, "/health", None, timeout=5)
-            return
-        time.sleep(1)
-    raise TimeoutError(f"{root} not healthy after {timeout_s:.0f} s")
+    if not http.wait_healthy(root, timeout_s, alive):
+        raise RuntimeError(f"{root} not healthy: its server exited, or {timeout_s:.0f} s passed")
 
 
 @contextlib.contextmanager
@@ -83,7 +76,7 @@ def bench_server(root: str, model: str, args: argparse.Namespace) -> dict[str, B
     from flagserve.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
-    served = get(root, "/v1/models", None, timeout=30)
+    served = http.get(f"{root}/v1/models", timeout=30)
     target = Target(root, json.loads(served)["data"][0]["id"])
     out = {}
     for i, rate in enumerate(args.rates):

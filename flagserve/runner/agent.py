@@ -23,9 +23,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from flagserve.cluster import http
 from flagserve.cluster.records import ProcessRecord
 from flagserve.config.errors import ConfigError
-from flagserve.runner import http
 from flagserve.runner.console import tail
 from flagserve.runner.environment import _env_after
 from flagserve.runner.launcher import is_alive, server_grace_s, spawn, terminate

@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from flagserve.cluster import http
 from flagserve.cluster.records import (
     HostRecord,
     ProcessRecord,
@@ -31,7 +32,6 @@ from flagserve.cluster.records import (
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.runner import host_commands as cmd
-from flagserve.runner import http
 from flagserve.runner.console import print_ready
 from flagserve.runner.deployment import Deployment
 from flagserve.runner.environment import ray_auth_env

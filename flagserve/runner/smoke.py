@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import sys
 
+from flagserve.cluster import http
 from flagserve.config.schema import Config
 from flagserve.config.topology import served_names
-from flagserve.runner import http
 from flagserve.runner.deployment import Deployment
 
 

@@ -1,4 +1,5 @@
-"""Tiny HTTP helpers for run/status/test (stdlib only: no client library in the launcher)."""
+"""Tiny HTTP helpers for run/status/test and the benchmarks (stdlib only: no client library
+in the launcher)."""
 from __future__ import annotations
 
 import json
@@ -28,6 +29,14 @@ def request(url: str, body: dict[str, Any] | None = None, api_key: str | None = 
             return resp.status, resp.read()
     except urllib.error.HTTPError as err:
         return err.code, err.read()
+
+
+def get(url: str, api_key: str | None = None, timeout: float = 10.0) -> bytes:
+    """The body of GET `url`; OSError unless it answers 200."""
+    code, body = request(url, api_key=api_key, timeout=timeout)
+    if code != 200:
+        raise OSError(f"GET {url}: HTTP {code}: {body[:200]!r}")
+    return body
 
 
 def healthy(endpoint: str, timeout: float = 5.0) -> bool:
