@@ -82,6 +82,7 @@ class EngineDeployment:
 
     async def check_health(self) -> None:
         """Ray Serve calls this periodically; raising restarts the replica."""
+        self._start_pusher()  # a replica no request has reached yet shows in /metrics too
         if not self.async_engine.alive:
             raise RuntimeError(f"engine step loop stopped: {self.async_engine.error!r}")
 

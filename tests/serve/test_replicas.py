@@ -1,6 +1,6 @@
-"""Two engine replicas on one host, both listening on the configured port (SO_REUSEPORT;
-`ingress: engine`, which auto no longer picks for several replicas): new connections reach
-both, and stop leaves nothing."""
+"""Two engine replicas on one host, both in /metrics from the start and both listening on the
+configured port (SO_REUSEPORT; `ingress: engine`, which auto no longer picks for several
+replicas): new connections reach both, and stop leaves nothing."""
 from __future__ import annotations
 
 import re
@@ -9,6 +9,17 @@ import time
 import requests
 
 from tests.serve.conftest import free_port, kill_recorded, run_py, tiny_serve_args
+
+
+def metric_engines(url: str, name: str, timeout_s: float = 15.0) -> set[str]:
+    """The engine labels of `name` in /metrics, once two replicas show (or the timeout)."""
+    engines: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(engines) < 2 and time.monotonic() < deadline:
+        text = requests.get(f"{url}/metrics", timeout=10).text
+        engines = set(re.findall(rf'{name}\{{engine="([^"]+)"', text))
+        time.sleep(0.5)
+    return engines
 
 
 def test_two_replicas_share_the_port(tmp_path):
@@ -21,6 +32,7 @@ def test_two_replicas_share_the_port(tmp_path):
         result = run_py(*args, "action=run", timeout=600)
         assert result.returncode == 0, result.stdout + result.stderr
         url = f"http://127.0.0.1:{port}"
+        assert len(metric_engines(url, "vllm:num_requests_running")) == 2  # before any request
         for _ in range(30):  # one connection per request: the kernel picks a replica per connection
             with requests.Session() as s:
                 r = s.post(f"{url}/v1/completions", timeout=60,
