@@ -130,3 +130,16 @@ def test_waiting_for_a_peer_that_never_comes_fails_with_why(role, peer):
     with pytest.raises(RuntimeError, match=f"no {peer} engine connected to the KV endpoint .* within 2 s"):
         P2PTransport(config, cuda=False).bind(None)
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize(("mode", "gpu", "peer_gpu", "expected"), [
+    ("nccl", "GPU-a", "GPU-b", "nccl"),  # two GPUs: NCCL
+    ("nccl", "GPU-a", "GPU-a", "gloo"),  # one GPU: NCCL cannot connect two ranks on it
+    ("gloo", "GPU-a", "GPU-b", "gloo"),  # asked for
+    ("gloo", None, None, "gloo"),  # CPU engines
+])
+def test_a_pair_on_one_gpu_goes_over_gloo(mode, gpu, peer_gpu, expected):
+    from flagserve.engine.kv_transfer.p2p_pair import pair_mode
+
+    assert pair_mode(mode, gpu, peer_gpu) == expected
+    assert pair_mode(mode, peer_gpu, gpu) == expected  # both sides agree

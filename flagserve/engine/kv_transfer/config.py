@@ -8,7 +8,8 @@ from typing import Literal, get_args
 # Which side of a point-to-point link this engine is: the prefill side hosts the rendezvous
 # store and serves its KV; the decode side connects to each prefill engine it fetches from.
 KVRole = Literal["prefill", "decode"]
-# auto: NCCL when the engine's KV cache is on CUDA, else gloo (TCP, CPU tensors).
+# auto: NCCL when the engine's KV cache is on CUDA, else gloo (TCP, CPU tensors). Either way a
+# pair of engines on one GPU uses gloo through host memory (p2p_pair.pair_mode).
 KVTransferMode = Literal["auto", "gloo", "nccl"]
 
 

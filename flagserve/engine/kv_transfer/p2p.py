@@ -11,6 +11,7 @@ read and data receive is bounded by timeout_s, so a fetch fails instead of hangi
 """
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -22,7 +23,14 @@ import torch.distributed as dist
 
 from flagserve.engine.kv_transfer.cache_io import KVCaches
 from flagserve.engine.kv_transfer.config import KVTransferConfig
-from flagserve.engine.kv_transfer.p2p_pair import IDLE_WAIT_S, PairLink, PairServer, store_client
+from flagserve.engine.kv_transfer.p2p_pair import (
+    IDLE_WAIT_S,
+    PairLink,
+    PairServer,
+    gpu_id,
+    pair_mode,
+    store_client,
+)
 from flagserve.engine.kv_transfer.transport import KVEndpoint
 
 log = logging.getLogger(__name__)
@@ -88,15 +96,19 @@ class P2PTransport(KVEndpoint):
             self._connect_error = err
             log.error("KV transfer server at %s could not start: %s", self.name, err)
             return
+        gpu = gpu_id(self._device)
+        client.set("gpu", json.dumps({"gpu": gpu}))
         k = 0
         while True:
             try:
                 client.wait([f"hello/{k}"], timedelta(seconds=IDLE_WAIT_S))
             except dist.DistStoreError:
                 continue  # idle
-            if b"close" in client.get(f"hello/{k}"):
+            hello = json.loads(client.get(f"hello/{k}"))
+            if hello.get("close"):
                 return
-            server = PairServer(k, self.address, self.mode, self.config.timeout_s, self.serve,
+            mode = pair_mode(self.mode, gpu, hello.get("gpu"))
+            server = PairServer(k, self.address, mode, self.config.timeout_s, self.serve,
                                 self.connected.set, self._device)
             self._servers.append(server)
             server.thread.start()

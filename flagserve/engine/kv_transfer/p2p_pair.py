@@ -2,11 +2,17 @@
 the prefill endpoint's TCPStore, and each side's end of it.
 
     peers                a counter: a decode endpoint that joins takes the next pair index k
-    hello/<k>            it announces itself; the prefill side starts a PairServer for k
+    gpu                  the prefill engine's GPU (its UUID), or none
+    hello/<k>            it announces itself and its GPU; the prefill side starts a PairServer
+                         for k
     peer/<k>/fetch/<n>   {request_id, num_blocks}: the decode side asks for a request's KV
     peer/<k>/reply/<n>   {error}; without one the KV follows as one tensor tagged n over the
                          pair's own two-rank process group (never the default group, so TP/PP
                          groups are untouched)
+
+Each pair picks its own transport from the endpoints' mode and the two GPUs (pair_mode): NCCL
+cannot connect two ranks on one GPU, so a pair on the same GPU (1P1D on one GPU) goes over
+gloo, staged through host memory.
 
 A pair lives as long as its link: a decode side whose fetch failed drops it and joins again as
 a new pair on its next fetch, so a restarted peer never leaves the survivors out of step.
@@ -27,6 +33,18 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 3600.0  # a server's wait for its next message; each timeout just waits again
 PREFILL, DECODE = 0, 1
+
+
+def gpu_id(device: torch.device | None) -> str | None:
+    """The UUID of a CUDA device (what identifies it across processes), else None."""
+    if device is None or device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def pair_mode(mode: str, gpu: str | None, peer_gpu: str | None) -> str:
+    """The transport of one pair; both sides compute it from the same three values."""
+    return "gloo" if mode == "nccl" and gpu is not None and gpu == peer_gpu else mode
 
 
 def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -91,7 +109,8 @@ class PairServer:
             data, error = self.serve(message["request_id"], message["num_blocks"])
             store.set(f"reply/{self.next}", json.dumps({"error": error}))
             if data is not None:  # a failure ends the pair: its messages are out of step
-                group.send([data], DECODE, self.next % 2**31).wait()
+                staged = data if self.mode == "nccl" else data.cpu()  # gloo sends host memory
+                group.send([staged], DECODE, self.next % 2**31).wait()
             self.next += 1
 
     def stop(self) -> None:
@@ -106,11 +125,13 @@ class PairLink:
 
     def __init__(self, address: tuple[str, int], mode: str, timeout_s: float,
                  connect_timeout_s: float, device: torch.device | None):
+        client = store_client(*address, connect_timeout_s)
+        gpu = gpu_id(device)
+        self.mode = mode = pair_mode(mode, gpu, json.loads(client.get("gpu"))["gpu"])
         if mode == "nccl":
             torch.cuda.set_device(device)
-        client = store_client(*address, connect_timeout_s)
         self.k = client.add("peers", 1) - 1
-        client.set(f"hello/{self.k}", "{}")
+        client.set(f"hello/{self.k}", json.dumps({"gpu": gpu}))
         self.store = dist.PrefixStore(f"peer/{self.k}", client)
         self.group = make_group(dist.PrefixStore("group", self.store), DECODE, mode,
                                 timedelta(seconds=timeout_s), local_address_towards(address[0]))
@@ -128,7 +149,10 @@ class PairLink:
         self.store.delete_key(f"reply/{n}")
         if reply["error"] is not None:
             return None, reply["error"]
-        self.group.recv([empty], PREFILL, n % 2**31).wait()
+        staged = empty if self.mode == "nccl" else empty.cpu()  # gloo receives into host memory
+        self.group.recv([staged], PREFILL, n % 2**31).wait()
+        if staged is not empty:
+            empty.copy_(staged)
         return empty, None
 
     def close(self) -> None:
