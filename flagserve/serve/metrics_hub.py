@@ -38,8 +38,14 @@ class MetricsHub:
 
 
 def _live(pushed: dict[tuple[str, str], tuple[float, dict]]) -> dict[tuple[str, str], dict]:
+    """The snapshots pushed within STALE_AFTER_S; older ones are dropped, each with a log line
+    (its series end in /metrics: the operator should know why)."""
     now = time.monotonic()
-    return {k: s for k, (t, s) in pushed.items() if now - t < STALE_AFTER_S}
+    for key in [k for k, (t, _) in pushed.items() if now - t >= STALE_AFTER_S]:
+        del pushed[key]
+        log.warning("metrics of %s replica %s dropped from /metrics: no push for %.0f s "
+                    "(scaled down, restarted or stuck)", *key, STALE_AFTER_S)
+    return {k: s for k, (_, s) in pushed.items()}
 
 
 def start_pusher(loop: asyncio.AbstractEventLoop, pusher: Coroutine) -> asyncio.Task:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -114,6 +115,22 @@ def test_metrics_render_vllm_names():
     assert 'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 4.0' in text
     assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 1.0' in text
     assert 'vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.5' in text
+
+
+def test_a_replica_that_stops_pushing_leaves_metrics_with_a_log_line(caplog, monkeypatch):
+    from flagserve.serve import metrics_hub
+
+    hub, clock = metrics_hub.MetricsHub(), [100.0]
+    monkeypatch.setattr(metrics_hub, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    snapshot = EngineMetrics().snapshot(EngineStats(0, 0, 0.25, 10, 4, 2, 1, 0, 1, 0.1, 0.1))
+    asyncio.run(hub.push(("tiny", "a"), snapshot))
+    clock[0] += metrics_hub.STALE_AFTER_S - 1
+    asyncio.run(hub.push(("tiny", "b"), snapshot))
+    assert 'engine="a"' in asyncio.run(hub.render()).decode()
+    clock[0] += 2  # a: STALE_AFTER_S + 1 since its push; b: 2
+    text = asyncio.run(hub.render()).decode()
+    assert 'engine="a"' not in text and 'engine="b"' in text
+    assert "replica a dropped" in caplog.text
 
 
 def test_grammar_cache_hit_rate_reaches_metrics(llama_path):
