@@ -18,12 +18,14 @@ def make(set_calls: list[int]) -> ThreadTuner:
     return ThreadTuner((2, 1), set_calls.append, period=10, pairs=3)
 
 
-def test_switches_to_the_faster_count_and_back():
+def test_switches_to_the_faster_count_and_back(caplog):
+    caplog.set_level("INFO", logger="flagserve.engine.cpu_threads")
     calls: list[int] = []
     tuner = make(calls)
     used = run(tuner, {2: 0.18, 1: 0.10}, 10 + 6)  # one thread faster: the second core is busy
     assert used[:10] == [2] * 10 and sorted(used[10:]) == [1, 1, 1, 2, 2, 2]
     assert tuner.best == 1
+    assert "torch threads 2 -> 1: its decode steps ran 1.80x as fast" in caplog.text
     assert run(tuner, {2: 0.18, 1: 0.10}, 10) == [1] * 10
     run(tuner, {2: 0.07, 1: 0.10}, 6)  # the next trial: the core is free again
     assert tuner.best == 2 and calls[-1] == 2

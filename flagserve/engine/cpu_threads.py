@@ -12,9 +12,12 @@ FLAGSERVE_CPU_THREAD_TUNING=on (default where the engine has more than one threa
 """
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 TUNING_ENV = "FLAGSERVE_CPU_THREAD_TUNING"
 
@@ -71,5 +74,8 @@ class ThreadTuner:
                 mine, other = (a, b) if a[1] == self.best else (b, a)
                 speedups.append(mine[2] / other[2])
         if speedups and statistics.median(speedups) > 1 + self.margin:
-            return next(c for c in self.counts if c != self.best)
+            other = next(c for c in self.counts if c != self.best)
+            log.info("torch threads %d -> %d: its decode steps ran %.2fx as fast (median of %d "
+                     "pairs)", self.best, other, statistics.median(speedups), len(speedups))
+            return other
         return self.best
