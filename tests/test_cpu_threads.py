@@ -15,7 +15,7 @@ def run(tuner: ThreadTuner, seconds: dict[int, float], steps: int, batch: int | 
 
 
 def make(set_calls: list[int]) -> ThreadTuner:
-    return ThreadTuner((2, 1), set_calls.append, period=10, pairs=3)
+    return ThreadTuner((2, 1), set_calls.append, period=10, pairs=3, first=10)
 
 
 def test_switches_to_the_faster_count_and_back(caplog):
@@ -25,7 +25,7 @@ def test_switches_to_the_faster_count_and_back(caplog):
     used = run(tuner, {2: 0.18, 1: 0.10}, 10 + 6)  # one thread faster: the second core is busy
     assert used[:10] == [2] * 10 and sorted(used[10:]) == [1, 1, 1, 2, 2, 2]
     assert tuner.best == 1
-    assert "torch threads 2 -> 1: its decode steps ran 1.80x as fast" in caplog.text
+    assert "torch threads 2 -> 1: its steps ran 1.80x as fast per token" in caplog.text
     assert run(tuner, {2: 0.18, 1: 0.10}, 10) == [1] * 10
     run(tuner, {2: 0.07, 1: 0.10}, 6)  # the next trial: the core is free again
     assert tuner.best == 2 and calls[-1] == 2
@@ -39,14 +39,47 @@ def test_keeps_the_count_within_the_margin_or_slower():
     assert tuner.best == 2
 
 
-def test_prefill_steps_and_changing_batches_decide_nothing():
+def test_the_first_trial_comes_early():
+    tuner = ThreadTuner((2, 1), [].append, period=64, pairs=3, first=8)
+    assert run(tuner, {2: 0.2, 1: 0.1}, 14) == [2] * 8 + [2, 1, 1, 2, 2, 1]
+    assert tuner.best == 1
+
+
+def test_trials_that_keep_the_count_come_less_often_until_one_switches():
+    tuner = ThreadTuner((2, 1), [].append, period=10, pairs=3, first=10, max_period=40)
+    periods = []
+    for _ in range(4):
+        run(tuner, {2: 0.1, 1: 0.2}, tuner.period + 6)  # two threads stay faster
+        periods.append(tuner.period)
+    assert periods == [20, 40, 40, 40] and tuner.best == 2
+    run(tuner, {2: 0.2, 1: 0.1}, tuner.period + 6)  # now one is: a switch, and back to 10
+    assert tuner.best == 1 and tuner.period == 10
+
+
+def test_steps_of_unlike_sizes_decide_nothing():
     tuner = make([])
     assert run(tuner, {2: 0.5, 1: 0.1}, 30, batch=None) == [2] * 30  # never a trial
+    assert run(tuner, {2: 0.5, 1: 0.1}, 30, batch=4096) == [2] * 30  # too long to try
     run(tuner, {2: 0.5, 1: 0.1}, 10)
-    for batch in range(8, 2, -1):  # every pair has two batch sizes: no comparable pair
-        tuner.start(batch)
+    for tokens in (8, 64, 8, 64, 8, 64):  # every pair: 8x apart, not comparable
+        tuner.start(tokens)
         tuner.finish(0.5 if tuner.current == 2 else 0.1)
     assert tuner.best == 2 and not tuner.plan
+
+
+def test_mixed_steps_of_similar_sizes_compare_per_token():
+    """Served under load nearly every step carries prefill tokens: the trial uses them."""
+    tuner = make([])
+    run(tuner, {2: 1.0, 1: 1.0}, 10, batch=160)
+    for tokens in (160, 180, 170, 150, 160, 190):  # one thread: 0.5 ms a token; two: 1 ms
+        tuner.start(tokens)
+        tuner.finish(tokens * (0.001 if tuner.current == 2 else 0.0005))
+    assert tuner.best == 1
+    run(tuner, {2: 1.0, 1: 1.0}, 10, batch=160)
+    for tokens in (160, 100, 100, 160, 160, 100):  # per token equal, pair sizes 1.6x apart
+        tuner.start(tokens)
+        tuner.finish(tokens * 0.001)
+    assert tuner.best == 1
 
 
 def test_enabled_only_with_several_threads():

@@ -3,10 +3,16 @@
 On a machine whose cores other processes also use, two OpenMP threads can run a step 1.3x
 faster than one (the second core is free) or 1.8x slower (it is not: every op ends at a
 barrier that waits for the thread whose core is taken), and which holds changes by the
-minute (docs/performance.md, CPU). So every `period` decode steps the engine runs a short
-trial: a few pairs of consecutive decode steps of the same batch size, one step with each
-count (ABBA order), and keeps the count whose steps ran faster by more than `margin`. The
-trial costs the slower count's extra time on a few steps out of `period`.
+minute (docs/performance.md, CPU). So every `period` steps the engine runs a short trial: a
+few pairs of consecutive steps, one with each count (ABBA order), and keeps the count whose
+steps ran faster per token by more than `margin`. Only a pair whose token counts are within
+`similar` of each other is compared: a served engine under load rarely runs two decode-only
+steps of one batch size in a row (arrivals put prefill tokens into nearly every step), so
+requiring that left the tuner idle exactly where it was needed. The trial costs the slower
+count's extra time on a few steps out of `period`, so each trial that keeps the count doubles
+the wait before the next (up to `max_period`: ~4% of a quiet server's throughput at 64 steps),
+and a switch starts again from `period`. Steps of more than `max_tokens` (a burst's long
+prefills) never take part: one of them run on the slower count costs seconds.
 
 FLAGSERVE_CPU_THREAD_TUNING=on (default where the engine has more than one thread) | off.
 """
@@ -31,51 +37,59 @@ def tuning_enabled(num_threads: int, env: dict[str, str] | None = None) -> bool:
 
 class ThreadTuner:
     def __init__(self, counts: tuple[int, int], set_threads: Callable[[int], None],
-                 period: int = 64, pairs: int = 3, margin: float = 0.05):
+                 period: int = 64, pairs: int = 3, margin: float = 0.05, similar: float = 1.25,
+                 first: int = 8, max_period: int = 512, max_tokens: int = 512):
         self.counts, self.set_threads = counts, set_threads
         self.best, self.current = counts[0], counts[0]
-        self.period, self.pairs, self.margin = period, pairs, margin
-        self.since_trial = 0  # decode steps since the last trial ended
+        self.period, self.pairs, self.margin, self.similar = period, pairs, margin, similar
+        self.base_period, self.max_period, self.max_tokens = period, max_period, max_tokens
+        # steps since the last trial ended; the first trial comes after `first` steps, not a
+        # whole period: a loaded server's steps take up to a second each
+        self.since_trial = period - first
         self.plan: list[int] = []  # thread counts of the trial's remaining steps
-        self.samples: list[tuple[int, int, float]] = []  # (batch, threads, seconds)
+        self.samples: list[tuple[int, int, float]] = []  # (tokens, threads, seconds)
         self.step: tuple[int | None, int, bool] = (None, self.best, False)
 
-    def start(self, batch: int | None) -> None:
-        """Before a step; `batch` is its sequence count if it is decode-only, else None
-        (prefill steps differ too much to compare, and never take part in a trial)."""
-        if batch is not None and not self.plan and self.since_trial >= self.period:
+    def start(self, tokens: int | None) -> None:
+        """Before a step of `tokens` scheduled tokens (None: a step that never takes part)."""
+        if tokens is not None and tokens > self.max_tokens:
+            tokens = None
+        if tokens is not None and not self.plan and self.since_trial >= self.period:
             other = next(c for c in self.counts if c != self.best)
             self.plan = [self.best, other, other, self.best] * (self.pairs // 2 + 1)
             self.plan = self.plan[:2 * self.pairs]
             self.samples = []
-        trial = batch is not None and bool(self.plan)
+        trial = tokens is not None and bool(self.plan)
         self.current = self.plan[0] if trial else self.best
         self.set_threads(self.current)  # every step: cheap, and nobody else's setting sticks
-        self.step = (batch, self.current, trial)
+        self.step = (tokens, self.current, trial)
 
     def finish(self, seconds: float) -> None:
-        batch, threads, trial = self.step
-        if batch is None:
+        tokens, threads, trial = self.step
+        if tokens is None:
             return
         if not trial:
             self.since_trial += 1
             return
         self.plan.pop(0)
-        self.samples.append((batch, threads, seconds))
+        self.samples.append((tokens, threads, seconds))
         if not self.plan:
-            self.best = self._winner()
+            best, self.best = self.best, self._winner()
+            kept = best == self.best
+            self.period = min(2 * self.period, self.max_period) if kept else self.base_period
             self.since_trial = 0
 
     def _winner(self) -> int:
-        """The other count if its steps took less time than the best's, pair by pair."""
+        """The other count if its steps took less time per token than the best's, pair by
+        pair (pairs of similar token counts only)."""
         speedups = []
         for a, b in zip(self.samples[::2], self.samples[1::2]):
-            if a[0] == b[0]:  # the same batch size: comparable steps
+            if max(a[0], b[0]) <= self.similar * min(a[0], b[0]):  # comparable steps
                 mine, other = (a, b) if a[1] == self.best else (b, a)
-                speedups.append(mine[2] / other[2])
+                speedups.append((mine[2] / mine[0]) / (other[2] / other[0]))
         if speedups and statistics.median(speedups) > 1 + self.margin:
             other = next(c for c in self.counts if c != self.best)
-            log.info("torch threads %d -> %d: its decode steps ran %.2fx as fast (median of %d "
-                     "pairs)", self.best, other, statistics.median(speedups), len(speedups))
+            log.info("torch threads %d -> %d: its steps ran %.2fx as fast per token (median of "
+                     "%d pairs)", self.best, other, statistics.median(speedups), len(speedups))
             return other
         return self.best

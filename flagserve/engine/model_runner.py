@@ -167,8 +167,7 @@ class ModelRunner:
         """The sampled tokens on the sampling shard (None when nothing samples), else None."""
         if self.thread_tuner is None:
             return self._execute(step)
-        decode_only = step.num_tokens == len(step.seq_ids)
-        self.thread_tuner.start(len(step.seq_ids) if decode_only else None)
+        self.thread_tuner.start(step.num_tokens)
         start = time.perf_counter()
         out = self._execute(step)
         self.thread_tuner.finish(time.perf_counter() - start)
