@@ -149,7 +149,8 @@ class PairLink:
         self.store.delete_key(f"reply/{n}")
         if reply["error"] is not None:
             return None, reply["error"]
-        staged = empty if self.mode == "nccl" else empty.cpu()  # gloo receives into host memory
+        # gloo receives into host memory: a fresh buffer, not a copy of `empty`'s contents
+        staged = empty if self.mode == "nccl" or not empty.is_cuda else torch.empty_like(empty, device="cpu")
         self.group.recv([staged], PREFILL, n % 2**31).wait()
         if staged is not empty:
             empty.copy_(staged)
