@@ -87,9 +87,10 @@ class ThreadTuner:
             if max(a[0], b[0]) <= self.similar * min(a[0], b[0]):  # comparable steps
                 mine, other = (a, b) if a[1] == self.best else (b, a)
                 speedups.append((mine[2] / mine[0]) / (other[2] / other[0]))
-        if speedups and statistics.median(speedups) > 1 + self.margin:
+        speedup = statistics.median(speedups) if speedups else 1.0
+        if speedup > 1 + self.margin:
             other = next(c for c in self.counts if c != self.best)
             log.info("torch threads %d -> %d: its steps ran %.2fx as fast per token (median of "
-                     "%d pairs)", self.best, other, statistics.median(speedups), len(speedups))
+                     "%d pairs)", self.best, other, speedup, len(speedups))
             return other
         return self.best
