@@ -4,14 +4,26 @@ The same prompts and lengths, 32 requests at a time, ignore_eos, greedy; each sc
 is compiled by a first pass of 4 requests, so the figures are the per-step masking cost only.
 Ends with the ratio of the best (lowest) median ITL of each over the passes.
 
-    .venv/bin/python benchmarks/structured_itl.py <model dir> [--reps 2]
+The engine runs with the OpenMP settings of a served engine process (cpu_runtime's thread
+plan: passive waits), applied before torch loads. With GNU OpenMP's default (spinning) waits
+the engine's second thread spins on the core the grammar process needs: --omp-default keeps
+that default, to measure it.
+
+    .venv/bin/python benchmarks/structured_itl.py <model dir> [--reps 2] [--omp-default]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
-from transformers import AutoTokenizer
+from flagserve.engine.cpu_runtime import engine_thread_plan
+
+if "--omp-default" not in sys.argv:  # before torch is imported: OpenMP reads it once
+    os.environ.update(engine_thread_plan().env(os.environ))
+
+from transformers import AutoTokenizer  # noqa: E402 - after the OpenMP settings
 
 from flagserve.bench.datasets import build_dataset
 from flagserve.bench.inprocess import bench_engine
@@ -25,6 +37,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--omp-default", action="store_true",
+                   help="keep OpenMP's default waits (spinning) instead of the served engine's")
     args = p.parse_args()
     tok = AutoTokenizer.from_pretrained(args.model)
     engine = LLMEngine(EngineArgs(model=args.model, dtype="float32", max_num_seqs=CONCURRENCY))

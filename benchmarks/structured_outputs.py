@@ -9,8 +9,10 @@ import time
 import torch
 
 from flagserve import LLM, SamplingParams, StructuredOutputsParams
-from flagserve.layers.sampler import apply_token_bitmask
+from flagserve.engine.structured_outputs.compiler import GrammarCompiler
 from flagserve.models.packaged import smollm2_gguf
+from kernels import cpu_native
+from kernels.token_bitmask import apply_token_bitmask_torch
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"},
@@ -20,11 +22,15 @@ SCHEMA = {"type": "object", "properties": {
 
 
 def compile_times(llm: LLM) -> None:
-    compiler = llm.llm_engine.structured.compiler
+    # The compiler the grammar process runs, here in this process to time it.
+    engine = llm.llm_engine
+    compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size,
+                               sorted(engine.eos_token_ids))
     for label, schema in [("cold (vocabulary scan + compile)", SCHEMA),
                           ("another schema", {**SCHEMA, "required": ["name"]}), ("cached", SCHEMA)]:
+        params = StructuredOutputsParams(json=schema)
         start = time.perf_counter()
-        compiler.submit(StructuredOutputsParams(json=schema)).result()
+        compiler.submit(params.kind, params.spec()).result()
         print(f"compile {label}: {1000 * (time.perf_counter() - start):.2f} ms")
 
 
@@ -56,11 +62,17 @@ def step_time(llm: LLM, constrained: bool, batch: int = 8, tokens: int = 48) -> 
 
 
 def mask_cost(vocab: int, batch: int = 8) -> None:
-    logits, bits = torch.randn(batch, vocab), torch.full((batch, (vocab + 31) // 32), -1, dtype=torch.int32)
-    start = time.perf_counter()
-    for _ in range(100):
-        apply_token_bitmask(logits, bits)
-    print(f"apply_token_bitmask [{batch} x {vocab}]: {10 * (time.perf_counter() - start):.3f} ms")
+    logits = torch.randn(batch, vocab)
+    bits = torch.randint(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32), dtype=torch.int32)
+    impls = [("torch", apply_token_bitmask_torch)]
+    if cpu_native.available():
+        impls.append(("native", cpu_native.apply_token_bitmask_cpu))
+    for name, apply in impls:
+        start = time.perf_counter()
+        for _ in range(100):
+            apply(logits, bits)
+        print(f"apply_token_bitmask [{batch} x {vocab}] {name}: "
+              f"{10 * (time.perf_counter() - start):.3f} ms")
 
 
 def main() -> None:

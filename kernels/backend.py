@@ -21,6 +21,7 @@ from kernels.decode_attention import paged_decode_attention_torch
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.rms_norm import fused_add_rms_norm_torch, rms_norm_torch
 from kernels.rotary_store import rotary_store_kvcache_torch
+from kernels.token_bitmask import apply_token_bitmask_torch
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "FLAGSERVE_KERNEL_BACKEND"
@@ -36,6 +37,7 @@ class KernelOps:
     rms_norm: Callable
     fused_add_rms_norm: Callable
     silu_and_mul: Callable
+    apply_token_bitmask: Callable  # a grammar's allowed tokens (sampler)
 
 
 TORCH_OPS = KernelOps(
@@ -46,6 +48,7 @@ TORCH_OPS = KernelOps(
     rms_norm=rms_norm_torch,
     fused_add_rms_norm=fused_add_rms_norm_torch,
     silu_and_mul=silu_and_mul_torch,
+    apply_token_bitmask=apply_token_bitmask_torch,
 )
 
 

@@ -5,6 +5,7 @@
   full decode batch that copy is more bytes per step than the model's weights.
 - RMSNorm, residual add + RMSNorm, SiLU-and-mul and rotary + KV store are one pass each
   (cpu_elementwise.cpp) where the reference runs 5-15 torch ops.
+- A grammar's token bitmask is one pass over the logits (cpu_sampling.cpp).
 
 Built once per machine with the C++ compiler torch.compile uses too, into
 ~/.cache/flagserve/cpu-kernels (keyed by the sources, torch's version and the CPU's flags:
@@ -27,6 +28,7 @@ import torch
 
 from kernels.backend import KernelOps
 from kernels.rms_norm import rms_norm_torch
+from kernels.token_bitmask import apply_token_bitmask_torch
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +151,17 @@ def rotary_store_kvcache_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.
     return q
 
 
+def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        return apply_token_bitmask_torch(logits, bitmask)
+    return torch.ops.flagserve_cpu.apply_token_bitmask(logits, bitmask)
+
+
 def native_ops(ops: KernelOps) -> KernelOps:
     """`ops` with every op that has a native CPU kernel replaced by it."""
     return dataclasses.replace(ops, name=f"{ops.name}+cpu-native",
                                paged_decode_attention=paged_decode_attention_cpu,
                                rms_norm=rms_norm_cpu, fused_add_rms_norm=fused_add_rms_norm_cpu,
                                silu_and_mul=silu_and_mul_cpu,
-                               rotary_store_kvcache=rotary_store_kvcache_cpu)
+                               rotary_store_kvcache=rotary_store_kvcache_cpu,
+                               apply_token_bitmask=apply_token_bitmask_cpu)

@@ -4,6 +4,7 @@ from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_decode_attention import paged_decode_attention_triton
 from kernels.triton_prefill_attention import paged_prefill_attention_triton
 from kernels.triton_rms_norm import fused_add_rms_norm_triton, rms_norm_triton
+from kernels.token_bitmask import apply_token_bitmask_torch
 from kernels.triton_rotary_store import rotary_store_kvcache_triton
 
 TRITON_OPS = KernelOps(
@@ -14,6 +15,7 @@ TRITON_OPS = KernelOps(
     rms_norm=rms_norm_triton,
     fused_add_rms_norm=fused_add_rms_norm_triton,
     silu_and_mul=silu_and_mul_triton,
+    apply_token_bitmask=apply_token_bitmask_torch,  # one add: no kernel of its own needed
 )
 
 

@@ -78,18 +78,22 @@ def test_preemption_and_chunking_keep_outputs(llama_path, llm):
     assert tight.llm_engine.get_stats().num_preemptions > 0
 
 
-def test_matcher_rebuilds_from_the_tokens(llm):
+def test_matcher_replays_the_tokens_when_out_of_step(llm):
+    # A matcher that counts more tokens than its sequence holds is reset and replayed: the
+    # output is the one of an undisturbed run.
+    params = constrained(regex=r"[a-z]{3,30}")
+    reference = texts(llm.generate(PROMPTS[:1], params, use_tqdm=False))
     engine = llm.llm_engine
-    engine.add_request("r", PROMPTS[0], constrained(regex=r"[a-z]{3,9}"))
+    engine.add_request("r", PROMPTS[0], params)
     while not engine.structured.matchers:
         engine.step()  # the grammar compiles off the loop; its first step samples
     seq = engine.requests["r"].seqs[0]
     engine.step()
-    matcher = engine.structured.matchers[seq.seq_id]
-    matcher.num_accepted += 5  # pretend it saw more than the sequence holds: it must rebuild
-    assert engine.structured.sync(seq) == "ok" and matcher.num_accepted == seq.num_output_tokens
+    engine.structured.matchers[seq.seq_id].num_seen += 5
+    outputs = []
     while engine.has_unfinished():
-        engine.step()
+        outputs += engine.step()
+    assert [[o.outputs[0].text for o in outputs if o.finished]] == reference
 
 
 @pytest.mark.parametrize("kind, value, message", [
@@ -120,13 +124,18 @@ def test_schema_key_order_is_kept():
 
 
 @pytest.mark.parametrize("vocab", [1000, 1536])
-def test_token_bitmask_matches_xgrammar(vocab):
-    # Our byte-table mask against xgrammar's own kernel, on a vocabulary that ends mid-word,
-    # with rows that allow nothing and everything, and logits already -inf (bans).
+@pytest.mark.parametrize("impl", ["torch", "native"])
+def test_token_bitmask_matches_xgrammar(vocab, impl):
+    # Ours against xgrammar's own kernel, on a vocabulary that ends mid-word, with rows that
+    # allow nothing and everything, and logits already -inf (bans).
     import torch
     import xgrammar as xgr
 
-    from flagserve.layers.sampler import apply_token_bitmask
+    from kernels import cpu_native
+    from kernels.token_bitmask import apply_token_bitmask_torch
+    if impl == "native" and not cpu_native.available():
+        pytest.skip("the native CPU kernels do not build here")
+    apply = apply_token_bitmask_torch if impl == "torch" else cpu_native.apply_token_bitmask_cpu
     gen = torch.Generator().manual_seed(0)
     mask = xgr.allocate_token_bitmask(4, vocab)
     mask.copy_(torch.randint(-2**31, 2**31 - 1, mask.shape, generator=gen, dtype=torch.int32))
@@ -135,11 +144,12 @@ def test_token_bitmask_matches_xgrammar(vocab):
     logits[3, :7] = float("-inf")
     expected = logits.clone()
     xgr.apply_token_bitmask_inplace(expected, mask)
-    assert torch.equal(apply_token_bitmask(logits, mask), expected)
+    assert torch.equal(apply(logits, mask), expected)
 
 
 def test_step_input_sends_the_filled_mask_to_shards():
     # The mask fills beside the forward; a shard worker (another process) gets the tensor.
+    # (Any job with result() will do: a Future here.)
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -153,23 +163,33 @@ def test_step_input_sends_the_filled_mask_to_shards():
     assert torch.equal(again.token_bitmask, mask) and torch.equal(step.grammar_bitmask(), mask)
 
 
-def test_matchers_follow_tokens_queued_preempted_and_rejected(llama_path):
-    # A token is queued at once and accepted by the next mask's job; a stop token ends the
-    # grammar at once; a token outside the grammar (a bug) is reported by the next advance.
-    import time
-
-    from flagserve.engine.sequence import Sequence
+@pytest.fixture
+def grammars(llama_path):
+    """StructuredOutputs alone, its grammar process stopped after the test however it ends."""
     from flagserve.engine.structured_outputs.matchers import StructuredOutputs
     from flagserve.models.tokenizer import load_tokenizer
     tok = load_tokenizer(llama_path)
-    eos = tok.eos_token_id
-    so = StructuredOutputs(tok, len(tok), [eos])
-    params = constrained(regex="(ab)+")
-    a, b = tok.convert_tokens_to_ids(["a", "b"])
-    seqs = [Sequence("r", i, [1, 2], 2, params, 0.0) for i in range(3)]
-    so.hold("r", seqs)
+    so = StructuredOutputs(llama_path, len(tok), [tok.eos_token_id], max_rows=4)
+    yield so, tok
+    so.shutdown()
+
+
+def _ready(so, request_id: str, seqs: list) -> None:
+    import time
+    so.hold(request_id, seqs)
     while not so.release()[0]:
         time.sleep(0.01)
+
+
+def test_matchers_follow_tokens_queued_preempted_and_rejected(grammars):
+    # A token is queued at once and accepted by the next mask's job; a stop token ends the
+    # grammar at once; a token outside the grammar (a bug) is reported by the next advance.
+    from flagserve.engine.sequence import Sequence
+    so, tok = grammars
+    eos = tok.eos_token_id
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    seqs = [Sequence("r", i, [1, 2], 2, constrained(regex="(ab)+"), 0.0) for i in range(3)]
+    _ready(so, "r", seqs)
 
     def step(tokens: list[int]) -> list:
         mask = so.bitmask(seqs).result()
@@ -185,4 +205,31 @@ def test_matchers_follow_tokens_queued_preempted_and_rejected(llama_path):
     assert allowed == [True, True, True] and status == ["terminated", "rejected", "ok"]
     seqs[2].token_ids[2:] = [a]  # preempted and recomputed with fewer tokens: replayed
     assert so.advance_all([seqs[2]]) == ["ok"] and so.matchers[seqs[2].seq_id].num_seen == 1
+    mask = so.bitmask(seqs[2:]).result()  # after "a" only "b"
+    assert [t for t in (a, b, eos) if mask[0, t // 32] >> (t % 32) & 1] == [b]
+
+
+def test_grammar_process_death_is_an_error_not_a_hang(grammars):
+    # Killed under the engine: the held request fails, the next mask raises, both saying so;
+    # shutdown() after it still returns.
+    from flagserve.engine.sequence import Sequence
+    from flagserve.engine.structured_outputs.process import GrammarProcessError
+    so, _ = grammars
+    first = [Sequence("r1", 0, [1, 2], 2, constrained(regex="[a-z]+"), 0.0)]
+    _ready(so, "r1", first)
+    so._process.proc.kill()
+    so._process.proc.wait()
+    so.hold("r2", [Sequence("r2", 1, [1, 2], 2, constrained(regex="[0-9]+"), 0.0)])
+    ready, failed = so.release()
+    assert ready == [] and [r for r, _ in failed] == ["r2"] and "grammar process" in failed[0][1]
+    with pytest.raises(GrammarProcessError, match="grammar process"):
+        so.bitmask(first).result()
+
+
+def test_shutdown_stops_the_grammar_process(grammars):
+    from flagserve.engine.sequence import Sequence
+    so, _ = grammars
+    _ready(so, "r", [Sequence("r", 0, [1, 2], 2, constrained(regex="[a-z]+"), 0.0)])
+    proc = so._process.proc
     so.shutdown()
+    assert proc.poll() is not None

@@ -40,16 +40,16 @@ def use_native_kernels(model: nn.Module, ops: KernelOps) -> KernelOps:
 
 
 def prepare_cpu_model(model: nn.Module, device: torch.device, dtype: torch.dtype,
-                      enforce_eager: bool = True) -> None:
+                      ops: KernelOps, enforce_eager: bool = True) -> KernelOps:
+    """Returns the ops the model runs from now on."""
     if device.type != "cpu":
-        return
+        return ops
     if matmul_mode(device, dtype) == "onednn":
         start = time.perf_counter()
         count = pack_linear_weights(model)
         log.info("packed %d weights for oneDNN in %.2f s", count, time.perf_counter() - start)
-    ops = next((m.ops for m in model.modules() if hasattr(m, "ops")), None)
-    if ops is not None:
-        ops = use_native_kernels(model, ops)
-    if ops is not None and compile_mode(enforce_eager) == "ops":
+    ops = use_native_kernels(model, ops)
+    if compile_mode(enforce_eager) == "ops":
         cfg = model.config
-        compile_cpu_ops(model, ops, cfg.hidden_size, cfg.intermediate_size, dtype)
+        ops = compile_cpu_ops(model, ops, cfg.hidden_size, cfg.intermediate_size, dtype)
+    return ops

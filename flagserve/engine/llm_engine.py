@@ -80,7 +80,8 @@ class LLMEngine:
             SchedulerConfig(args.max_num_seqs, batched, args.enable_chunked_prefill),
             self.block_manager)
         self.requests: dict[str, RequestState] = {}
-        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, list(eos))
+        self.structured = StructuredOutputs(args.tokenizer or args.model, cfg.vocab_size, list(eos),
+                                           args.max_num_seqs)
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._num_steps = 0
@@ -350,8 +351,8 @@ class LLMEngine:
             num_steps=self._num_steps,
             step_seconds=self._step_seconds,
             forward_seconds=self.executor.forward_seconds,
-            structured_output_compile_requests=self.structured.compiler.requests,
-            structured_output_cache_hits=self.structured.compiler.cache_hits,
+            structured_output_compile_requests=self.structured.compile_requests,
+            structured_output_cache_hits=self.structured.cache_hits,
             kv_sent_bytes=t.bytes_sent, kv_received_bytes=t.bytes_received,
             kv_sent_requests=t.requests_sent, kv_received_requests=t.requests_received,
             kv_transfer_failures=t.failures, kv_receive_seconds=t.receive_seconds,

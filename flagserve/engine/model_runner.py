@@ -62,10 +62,11 @@ class ModelRunner:
         self.ops = get_ops(args.attention_backend, self.device)
         self.model = load_model(args.model, cfg, self.ops, self.dtype, self.device, par,
                                 random_weights=args.load_format == "dummy")
-        prepare_cpu_model(self.model, self.device, self.dtype, args.enforce_eager)  # issue 16
+        # CPU: packed weights, native kernels, compiled ops (issue 16)
+        self.ops = prepare_cpu_model(self.model, self.device, self.dtype, self.ops, args.enforce_eager)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.num_kv_blocks = 0  # set by allocate_kv_cache once every shard's capacity is known
-        self.sampler = Sampler(args.seed, self.device) if par.samples else None
+        self.sampler = Sampler(args.seed, self.device, self.ops) if par.samples else None
         self.seqs: dict[int, SeqSampling] = {}  # seq_id -> state, on the sampling shard only
         self.forward_seconds = 0.0  # model forward and LM head, for overhead accounting
         # Set by allocate_kv_cache (CUDA graphs bind the cache's addresses).

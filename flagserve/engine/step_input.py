@@ -7,14 +7,18 @@ the runner that samples keeps it, with the seeded generator, across preemptions.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.scheduler import ScheduledBatch
 from flagserve.engine.sequence import Sequence
+
+
+class PendingMask(Protocol):
+    def result(self) -> torch.Tensor: ...  # waits until the mask is filled
 
 
 @dataclass
@@ -41,8 +45,8 @@ class StepInput:
     new_seqs: list[NewSeq] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
     # Per sampled row: allowed-token bits of its grammar (all ones when unconstrained); None
-    # when no row is constrained. The engine's matchers write it, while the forward runs.
-    token_bitmask: torch.Tensor | Future[torch.Tensor] | None = None
+    # when no row is constrained. The grammar process writes it, while the forward runs.
+    token_bitmask: torch.Tensor | PendingMask | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -51,11 +55,13 @@ class StepInput:
     def grammar_bitmask(self) -> torch.Tensor | None:
         """The token bitmask, once its fill is done."""
         mask = self.token_bitmask
-        return mask.result() if isinstance(mask, Future) else mask
+        return mask if mask is None or isinstance(mask, torch.Tensor) else mask.result()
 
     def __getstate__(self) -> dict:
-        # Shard workers get the finished mask: a Future does not cross processes.
-        return {**self.__dict__, "token_bitmask": self.grammar_bitmask()}
+        # Shard workers get a copy of the finished mask: the job does not cross processes,
+        # and its shared memory is the next job's.
+        mask = self.grammar_bitmask()
+        return {**self.__dict__, "token_bitmask": None if mask is None else mask.clone()}
 
 
 class StepInputBuilder:

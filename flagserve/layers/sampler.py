@@ -6,10 +6,14 @@ min-p and draw with the exponential race (argmax of p / Exp(1) noise), whose noi
 from the row's own generator when the request has a seed, so its draws do not depend on what
 else is in the batch. Reported logprobs are those of the raw model distribution.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from kernels import KernelOps
+from kernels.token_bitmask import apply_token_bitmask_torch
 
 
 @dataclass
@@ -85,28 +89,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-_BIAS_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
-def _bias_table(device: torch.device) -> torch.Tensor:
-    """[256, 8]: for each byte value, 0 where bit j is set and -inf where it is not."""
-    if device not in _BIAS_TABLES:
-        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-        _BIAS_TABLES[device] = torch.where(bits == 1, 0.0, float("-inf")).to(device)
-    return _BIAS_TABLES[device]
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """-inf where a row's bit is 0 (bit j of word w is token 32 * w + j, xgrammar's layout).
-    Each mask byte looks up its 8 biases and one add applies them: masked_fill and
-    xgrammar's CPU kernel take 10x longer on CPU, the largest cost of constrained decoding."""
-    # Little-endian words (x86, ARM, CUDA): byte k of word w holds tokens 32 * w + 8 * k + j.
-    as_bytes = bitmask.to(logits.device, non_blocking=True).view(torch.uint8).flatten()
-    bias = _bias_table(logits.device).index_select(0, as_bytes.int())
-    return logits + bias.view(bitmask.shape[0], -1)[:, :logits.shape[-1]]
-
-
-def apply_bans_and_grammar(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def apply_bans_and_grammar(logits: torch.Tensor, batch: SamplingBatch,
+                           apply_token_bitmask: Callable = apply_token_bitmask_torch) -> torch.Tensor:
     """min_tokens bans, then the grammar. Where both together leave a row nothing (a grammar that
     may only end, and EOS banned), the grammar wins: a token outside it would break the output."""
     before = logits
@@ -135,8 +119,9 @@ def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Genera
 
 
 class Sampler(nn.Module):
-    def __init__(self, seed: int, device: torch.device):
+    def __init__(self, seed: int, device: torch.device, ops: KernelOps | None = None):
         super().__init__()
+        self.apply_token_bitmask = ops.apply_token_bitmask if ops else apply_token_bitmask_torch
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -147,7 +132,7 @@ class Sampler(nn.Module):
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
         if batch.repetition_penalties is not None or batch.presence_penalties is not None:
             logits = apply_penalties(logits, batch)
-        logits = apply_bans_and_grammar(logits, batch)
+        logits = apply_bans_and_grammar(logits, batch, self.apply_token_bitmask)
         tokens = logits.argmax(-1)
         if not batch.all_greedy:
             temps = batch.temperatures.clamp_min(1e-5)[:, None]

@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any
 
+from flagserve.engine.child_process import child_env
 from flagserve.engine.core import wire
 from flagserve.engine.core.loop import Command, EngineDeadError, StepResult, run_steps
 from flagserve.engine.cpu_runtime import (
@@ -41,7 +42,6 @@ from flagserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding flagserve/
 
 
 @dataclass
@@ -66,8 +66,7 @@ class EngineProcess:
 
     def __init__(self, engine_args: Any):
         parent, child = Pipe(duplex=True)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        env = child_env()
         env.update(engine_thread_plan(env).env(env))  # OpenMP reads its settings once, at load
         if _on_cpu(engine_args):
             env.update(preload_env(env, tcmalloc_library()))

@@ -1,4 +1,4 @@
-"""Grammar compilation off the step loop, once per distinct constraint.
+"""Grammar compilation off the step loop, once per distinct constraint (in the grammar process).
 
 Compiling a grammar against the vocabulary takes milliseconds to seconds (large schemas), far
 longer than a decode step, so it runs on a small thread pool (xgrammar's C++ compiler releases
@@ -13,7 +13,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from flagserve.engine.structured_outputs.params import Kind, StructuredOutputsParams, parse_grammar
+from flagserve.engine.structured_outputs.params import Kind, parse_grammar
 
 CACHE_SIZE = 128  # distinct compiled grammars kept; a compiled JSON schema is typically < 1 MB
 COMPILE_THREADS = 2
@@ -32,9 +32,10 @@ class GrammarCompiler:
         self.requests, self.cache_hits = 0, 0  # cumulative: submits, of which served from the cache
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
 
-    def submit(self, params: StructuredOutputsParams) -> Future:
-        """A future of the xgrammar.CompiledGrammar for `params`; a cached one when seen before."""
-        key = (params.kind, params.spec())
+    def submit(self, kind: Kind, spec: str) -> Future:
+        """A future of the xgrammar.CompiledGrammar of a constraint (StructuredOutputsParams'
+        kind and spec()); a cached one when seen before."""
+        key = (kind, spec)
         with self._lock:
             self.requests += 1
             future = self._cache.get(key)

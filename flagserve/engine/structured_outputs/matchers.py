@@ -1,66 +1,86 @@
 """The engine's side of structured outputs: requests wait for their grammar, then every
-constrained sequence has a matcher that follows its output tokens.
+constrained sequence has a matcher (in the grammar process, worker.py) that follows its
+output tokens and fills its row of each step's token bitmask.
 
 A matcher's state is a function of the sequence's output tokens, never of the KV cache, so
 chunked prefill, prefix caching and preemption by recompute (which keeps the generated tokens)
-leave it valid; sync() replays whatever tokens it has not seen, and rebuilds from the start
-when it has seen more than the sequence holds, so it always matches the tokens so far. Each of
-n > 1 samples has its own matcher.
+leave it valid; a sequence whose token count the matcher does not expect has it reset and
+replayed, so it always matches the tokens so far. Each of n > 1 samples has its own matcher.
+The usual new token is not sent at once: it goes with the next step's job, which accepts it
+and fills the mask while the engine runs the forward.
 """
 from __future__ import annotations
 
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+import itertools
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from flagserve.engine.sequence import Sequence
-from flagserve.engine.structured_outputs.compiler import GrammarCompiler
+from flagserve.engine.structured_outputs.process import GrammarProcess
+from flagserve.engine.structured_outputs.worker import Compile, Compiled, Rejected, Start, Step
 
 Advance = Literal["ok", "terminated", "rejected"]
 
 
 @dataclass
 class _Held:
-    future: Future
+    hold_id: int
     seqs: list[Sequence]
 
 
 @dataclass
-class _Matcher:
-    matcher: Any  # xgrammar.GrammarMatcher
-    num_accepted: int = 0  # output tokens the matcher has consumed
-    pending: list[int] = field(default_factory=list)  # queued for the next mask's job
-    rejected: bool = False  # the job found the last token outside the grammar
-
-    @property
-    def num_seen(self) -> int:
-        return self.num_accepted + len(self.pending)
+class _Matcher:  # the engine's view of a matcher in the grammar process
+    num_seen: int = 0  # output tokens sent to it, or queued for the next job
+    pending: int | None = None  # the token queued for the next job
 
 
+@dataclass
+class MaskJob:
+    """A step's token bitmask, being filled by the grammar process."""
+    process: GrammarProcess
+    job: int
+    num_rows: int
+
+    def result(self) -> torch.Tensor:
+        self.process.wait(self.job)
+        return self.process.mask[:self.num_rows]
+
+
+@dataclass
 class StructuredOutputs:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
-        self.vocab_size = vocab_size
-        self._stop_ids = frozenset(stop_token_ids)  # the tokens that end a grammar
-        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
-        self._held: dict[str, _Held] = {}  # request id -> its sequences, until the grammar is ready
-        self.matchers: dict[int, _Matcher] = {}  # seq_id -> matcher
-        self._mask: torch.Tensor | None = None  # reused across steps: allocating costs per step
-        self._batch: Any = None  # xgrammar.BatchGrammarMatcher
-        # The fill runs beside the model forward (xgrammar releases the GIL): the mask is only
-        # needed at sampling. One fill at a time: the next step's reuses the buffer.
-        self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        self._filling: Future | None = None
+    tokenizer: str  # what load_tokenizer() takes: the grammar process loads its own
+    vocab_size: int
+    stop_token_ids: list[int]  # the tokens that end a grammar
+    max_rows: int  # sampled rows in a step, at most
+    matchers: dict[int, _Matcher] = field(default_factory=dict)  # seq_id -> matcher
+    compile_requests: int = 0  # the compiler's counters, as last reported
+    cache_hits: int = 0
+    _process: GrammarProcess | None = None  # started by the first constrained request
+    _held: dict[str, _Held] = field(default_factory=dict)  # request id -> its grammar's sequences
+    _compiled: dict[int, str | None] = field(default_factory=dict)  # hold id -> error, when done
+    _rejected: set[int] = field(default_factory=set)
+    _ops: list[tuple] = field(default_factory=list)  # matcher changes for the next job
+    _hold_ids: itertools.count = field(default_factory=itertools.count)
 
     # Requests waiting for their grammar
 
     def hold(self, request_id: str, seqs: list[Sequence]) -> None:
-        self._held[request_id] = _Held(self.compiler.submit(seqs[0].params.structured_outputs), seqs)
+        if self._process is None:
+            self._process = GrammarProcess(Start(self.tokenizer, self.vocab_size,
+                                                 list(self.stop_token_ids), self.max_rows))
+        params = seqs[0].params.structured_outputs
+        held = self._held[request_id] = _Held(next(self._hold_ids), seqs)
+        self._process.send(Compile(held.hold_id, params.kind, params.spec()))
 
     def drop(self, request_id: str) -> bool:
         """Forget a held request (aborted); True when it was held."""
-        return self._held.pop(request_id, None) is not None
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self._ops.append(("unhold", held.hold_id))
+            self._compiled.pop(held.hold_id, None)
+        return held is not None
 
     @property
     def num_held(self) -> int:
@@ -68,106 +88,100 @@ class StructuredOutputs:
 
     def wait(self, timeout: float) -> None:
         """Block until a grammar is ready or `timeout`: for a step with nothing else to run."""
-        wait([h.future for h in self._held.values()], timeout, FIRST_COMPLETED)
+        if self._process is not None:
+            self._receive(timeout)
 
-    def release(self) -> tuple[list[Sequence], list[tuple[str, BaseException]]]:
-        """Sequences whose grammar is ready (their matchers made), and (request id, error) of
-        those whose compilation failed."""
+    def release(self) -> tuple[list[Sequence], list[tuple[str, str]]]:
+        """Sequences whose grammar is ready (their matchers made with the next job), and
+        (request id, error) of those whose compilation failed."""
+        if not self._held:
+            return [], []
+        self._receive(force=True)  # a dead process is noticed here too, not only by an idle wait
         ready, failed = [], []
         for request_id, held in list(self._held.items()):
-            if not held.future.done():
+            if held.hold_id not in self._compiled and self._process.error is None:
                 continue
             del self._held[request_id]
-            if held.future.exception() is not None:
-                failed.append((request_id, held.future.exception()))
+            error = self._compiled.pop(held.hold_id, self._process.error)
+            if error is not None:
+                failed.append((request_id, error))
                 continue
-            import xgrammar as xgr
             for seq in held.seqs:
-                self.matchers[seq.seq_id] = _Matcher(xgr.GrammarMatcher(held.future.result()))
+                self.matchers[seq.seq_id] = _Matcher()
+                self._ops.append(("new", seq.seq_id, held.hold_id))
+            self._ops.append(("unhold", held.hold_id))
             ready.extend(held.seqs)
         return ready, failed
 
-    # Constrained sequences
+    def _receive(self, timeout: float = 0.0, force: bool = False) -> None:
+        for msg in self._process.receive(timeout, force):
+            if isinstance(msg, Compiled):
+                self._compiled[msg.hold_id] = msg.error
+                self.compile_requests, self.cache_hits = msg.requests, msg.cache_hits
+            elif isinstance(msg, Rejected):
+                self._rejected.update(msg.seq_ids)
 
-    def sync(self, seq: Sequence) -> Advance:
-        """Bring the sequence's matcher up to its output tokens, now (pending ones included)."""
-        m = self.matchers[seq.seq_id]
-        out = seq.output_token_ids
-        m.pending.clear()
-        if m.num_accepted > len(out):
-            m.matcher.reset()
-            m.num_accepted = 0
-        for token in out[m.num_accepted:]:
-            if not m.matcher.accept_token(token):
-                return "rejected"
-            m.num_accepted += 1
-        return "terminated" if m.matcher.is_terminated() else "ok"
+    # Constrained sequences
 
     def advance_all(self, seqs: list[Sequence]) -> list[Advance | None]:
         """After each sequence got its new token: where its grammar stands (None when
-        unconstrained). The usual token is only queued: the next mask's job accepts it beside
-        the forward. It came through the mask, so it ends the grammar exactly when it is a stop
-        token; a matcher that rejected its last token (a bug) is reported one step late."""
-        self._wait_fill()  # normally done: the sampler waited for it
+        unconstrained). The token came through the mask, so it ends the grammar exactly when
+        it is a stop token; a matcher that rejected a token (a bug) is reported after the
+        job that found it."""
         results: list[Advance | None] = [None] * len(seqs)
+        if not self.matchers:
+            return results
+        self._receive()  # rejections, sent before the job's counter
         for i, seq in enumerate(seqs):
             m = self.matchers.get(seq.seq_id)
             if m is None:
                 continue
-            if m.rejected:
+            if seq.seq_id in self._rejected:
                 results[i] = "rejected"
-            elif m.num_seen == seq.num_output_tokens - 1:
-                token = seq.token_ids[-1]
-                m.pending.append(token)
-                results[i] = "terminated" if token in self._stop_ids else "ok"
+                continue
+            token = seq.token_ids[-1]
+            if m.pending is None and m.num_seen == seq.num_output_tokens - 1:
+                m.pending, m.num_seen = token, m.num_seen + 1
             else:
-                results[i] = self.sync(seq)
+                self._reset(seq, m)
+            results[i] = "terminated" if token in self.stop_token_ids else "ok"
         return results
 
-    def bitmask(self, seqs: list[Sequence]) -> Future[torch.Tensor] | None:
+    def _reset(self, seq: Sequence, m: _Matcher) -> None:
+        """Preempted and recomputed, or seen more than it holds: replayed from the start."""
+        self._ops.append(("reset", seq.seq_id, list(seq.output_token_ids)))
+        m.num_seen, m.pending = seq.num_output_tokens, None
+
+    def bitmask(self, seqs: list[Sequence]) -> MaskJob | None:
         """[len(seqs), ceil(vocab / 32)] int32 allowed-token bits for the rows that sample,
-        all ones for unconstrained rows; None when no row is constrained. A background job
-        accepts the queued tokens, then fills the rows; the matchers are not to be touched
-        until it is done."""
-        rows = [(i, self.matchers[s.seq_id]) for i, s in enumerate(seqs) if s.seq_id in self.matchers]
-        if not rows:
+        all ones for unconstrained rows; None when no row is constrained. Filled by the
+        grammar process while the forward runs: result() waits for it."""
+        fill_rows = [i for i, s in enumerate(seqs) if s.seq_id in self.matchers]
+        if not fill_rows:
             return None
-        import xgrammar as xgr
-        self._wait_fill()
-        if self._mask is None or self._mask.shape[0] < len(seqs):
-            self._mask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-            self._batch = xgr.BatchGrammarMatcher()
-        mask = self._mask[:len(seqs)]
-        mask.fill_(-1)  # all ones: unconstrained rows allow everything
-        for i, m in rows:
-            if m.num_seen != seqs[i].num_output_tokens:  # preempted and recomputed, or new
-                self.sync(seqs[i])
-        self._filling = self._filler.submit(self._accept_and_fill, [m for _, m in rows], mask,
-                                            [i for i, _ in rows])
-        return self._filling
-
-    def _accept_and_fill(self, matchers: list[_Matcher], mask: torch.Tensor, rows: list[int]
-                         ) -> torch.Tensor:
-        behind = [m for m in matchers if m.pending]
-        if behind:  # one token each, as advance_all queues them
-            accepted = self._batch.batch_accept_token([m.matcher for m in behind],
-                                                      [m.pending[0] for m in behind])
-            for m, ok in zip(behind, accepted):
-                m.num_accepted += ok
-                m.rejected = not ok
-                m.pending.clear()
-        self._batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], mask, rows)
-        return mask
-
-    def _wait_fill(self) -> None:
-        if self._filling is not None:
-            wait([self._filling])
-            self._filling = None
+        if len(seqs) > self.max_rows:
+            raise ValueError(f"{len(seqs)} sampled rows, more than the mask's {self.max_rows}")
+        fill_ids, accept_ids, accept_tokens = [], [], []
+        for i in fill_rows:
+            seq = seqs[i]
+            m = self.matchers[seq.seq_id]
+            if m.num_seen != seq.num_output_tokens:
+                self._reset(seq, m)
+            elif m.pending is not None:
+                accept_ids.append(seq.seq_id)
+                accept_tokens.append(m.pending)
+                m.pending = None
+            fill_ids.append(seq.seq_id)
+        ops, self._ops = self._ops, []
+        job = self._process.submit(Step(0, len(seqs), ops, (accept_ids, accept_tokens),
+                                        (fill_rows, fill_ids)))
+        return MaskJob(self._process, job, len(seqs))
 
     def forget(self, seq: Sequence) -> None:
-        self._wait_fill()
-        self.matchers.pop(seq.seq_id, None)
+        if self.matchers.pop(seq.seq_id, None) is not None:
+            self._ops.append(("forget", seq.seq_id))
+            self._rejected.discard(seq.seq_id)
 
     def shutdown(self) -> None:
-        self._filler.shutdown(wait=True)
-        self.compiler.shutdown()
+        if self._process is not None:
+            self._process.close()

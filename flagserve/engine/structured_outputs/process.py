@@ -1,0 +1,144 @@
+"""The engine's handle on the grammar process (worker.py): start, send, receive, wait, stop.
+
+A step's job goes through the shared memory, not the pipe: in the engine process every
+syscall on the pipe cost 20-40 us (docs/performance.md, Structured outputs), and a step
+made three. The pipe carries the rare messages: compile requests and their answers,
+rejections, a Wake for a process that went to sleep, oversized jobs.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection, Pipe
+from typing import Any
+
+from flagserve.engine.child_process import child_env
+from flagserve.engine.structured_outputs.worker import (
+    ASLEEP,
+    DONE,
+    HEADER,
+    JOB_BYTES,
+    JOB_LEN,
+    POLL_S,
+    SENT,
+    SUBMITTED,
+    Failed,
+    Start,
+    Step,
+    Wake,
+    read_slot,
+    shared_mask,
+    shm_size,
+    write_slot,
+)
+
+SPIN_S = 2e-3  # a job not done by then: the mask waits in sleeps, looking for a dead process
+STOP_TIMEOUT_S = 5.0
+
+
+class GrammarProcessError(RuntimeError):
+    pass
+
+
+class GrammarProcess:
+    def __init__(self, start: Start):
+        size = shm_size(start.max_rows, start.vocab_size)
+        fd = os.memfd_create("flagserve-grammar-mask")  # no name to clean up: gone with both ends
+        parent, child = Pipe(duplex=True)
+        try:
+            os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size)
+            # One thread for torch, which xgrammar imports: the process borrows no more cores;
+            # and none of the engine's OpenMP binding, which would pin it to the engine's first.
+            env = {**child_env(), "OMP_NUM_THREADS": "1", "OMP_PROC_BIND": "false",
+                   "TOKENIZERS_PARALLELISM": "false"}
+            env.pop("OMP_PLACES", None)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "flagserve.engine.structured_outputs.worker",
+                 str(child.fileno()), str(fd)], pass_fds=(child.fileno(), fd), env=env)
+        finally:
+            os.close(fd)
+            child.close()
+        self.conn: Connection = parent
+        self.mask = shared_mask(self._mm, start.max_rows, start.vocab_size)
+        self.max_rows = start.max_rows
+        self._jobs = 0
+        self._received = 0  # messages read from the pipe, against the SENT slot
+        self.error: str | None = None  # why the process is gone
+        self.send(start)
+
+    def send(self, msg: Any) -> None:
+        if self.error is None:
+            try:
+                self.conn.send(msg)
+            except OSError:
+                self._gone()
+
+    def submit(self, step: Step) -> int:
+        """Send a step's job; its number, for wait()."""
+        if self._jobs:
+            self.wait(self._jobs)  # one job area: the last job is done (as a rule, long since)
+        self._jobs += 1
+        data = pickle.dumps(step._replace(job=self._jobs), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > JOB_BYTES:
+            self.send(step._replace(job=self._jobs))
+            return self._jobs
+        self._mm[HEADER:HEADER + len(data)] = data
+        write_slot(self._mm, JOB_LEN, len(data))
+        write_slot(self._mm, SUBMITTED, self._jobs)  # last: the job is complete once this is seen
+        if read_slot(self._mm, ASLEEP):
+            self.send(Wake())
+        return self._jobs
+
+    def wait(self, job: int) -> None:
+        """Until the job's mask is written: usually it is, since it ran beside the forward."""
+        start = time.perf_counter()
+        woken = False
+        while read_slot(self._mm, DONE) < job:
+            if time.perf_counter() - start > SPIN_S:
+                if self.error is not None or self.proc.poll() is not None:
+                    self.receive(force=True)  # its Failed message, if it sent one
+                    self._gone()
+                    raise GrammarProcessError(self.error)
+                if not woken:  # it may have gone to sleep just as the job came
+                    self.send(Wake())
+                    woken = True
+                time.sleep(POLL_S)
+
+    def receive(self, timeout: float = 0.0, force: bool = False) -> list[Any]:
+        """The messages that came (waiting up to `timeout` for the first). Without a timeout
+        the pipe is read only when the process says it sent something."""
+        out: list[Any] = []
+        if not (timeout or force or read_slot(self._mm, SENT) > self._received):
+            return out
+        try:
+            while self.error is None and self.conn.poll(timeout if not out else 0):
+                msg = self.conn.recv()
+                self._received += 1
+                if isinstance(msg, Failed):
+                    self.error = f"the grammar process failed:\n{msg.error}"
+                else:
+                    out.append(msg)
+        except (EOFError, OSError):
+            self._gone()
+        return out
+
+    def _gone(self) -> None:
+        if self.error is None:
+            code = self.proc.poll()
+            self.error = f"the grammar process exited (code {code})" if code is not None else \
+                "the grammar process stopped answering"
+
+    def close(self) -> None:
+        self.send(None)
+        try:
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+        self.error = self.error or "the grammar process was stopped"

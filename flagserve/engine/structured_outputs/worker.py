@@ -1,0 +1,246 @@
+"""The grammar process: xgrammar's matchers and compiler, beside the engine's step loop.
+
+Filling a step's token bitmask costs about as much as a small model's forward (5-10 us per
+row), and must not run on the engine's thread: in a thread of the engine process it still
+cost the step most of its time, since each of its hand-overs of the GIL makes the step wait
+for a woken thread (docs/performance.md, Structured outputs). So the matchers live here. The
+engine sends each step's job (matcher changes, the tokens to accept, the rows to fill) over
+a pipe and reads the mask from shared memory once the counter in the header says the job
+is done; while jobs come, this process polls the pipe between short sleeps, so the engine
+never pays for waking it.
+
+    python -m flagserve.engine.structured_outputs.worker PIPE_FD SHM_FD
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import pickle
+import struct
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
+
+# The shared memory: a header of int64 slots, the job area, then the mask.
+DONE, SUBMITTED, JOB_LEN, SENT, ASLEEP = range(5)  # header slots (who writes: see Channel)
+HEADER = 64
+JOB_BYTES = 1 << 20  # a pickled Step; a larger one (long replays) goes over the pipe
+POLL_S = 50e-6  # sleep between looks for a job while jobs come
+ACTIVE_S = 0.5  # then block on the pipe: an idle server costs nothing
+
+log = logging.getLogger(__name__)
+
+
+class Start(NamedTuple):
+    tokenizer: str  # what load_tokenizer() takes
+    vocab_size: int
+    stop_token_ids: list[int]
+    max_rows: int
+
+
+class Compile(NamedTuple):
+    hold_id: int
+    kind: str
+    spec: str
+
+
+class Step(NamedTuple):
+    job: int  # the header's counter reads this once the mask is written
+    num_rows: int  # rows of the mask: all ones, then the fills
+    # In order: ("new", seq_id, hold_id), ("unhold", hold_id) (its matchers are made, or the
+    # request went away), ("forget", seq_id), ("reset", seq_id, output tokens)
+    ops: list[tuple]
+    accept: tuple[list[int], list[int]]  # seq ids and one token each
+    fill: tuple[list[int], list[int]]  # mask rows and the seq id of each
+
+
+class Wake(NamedTuple):  # a job is in the shared memory (sent when the process sleeps)
+    pass
+
+
+class Compiled(NamedTuple):
+    hold_id: int
+    error: str | None
+    requests: int  # the compiler's counters, cumulative
+    cache_hits: int
+
+
+class Rejected(NamedTuple):  # a token outside its grammar (a bug): the matcher stays before it
+    seq_ids: list[int]
+
+
+class Failed(NamedTuple):
+    error: str  # traceback
+
+
+def shm_size(max_rows: int, vocab_size: int) -> int:
+    return HEADER + JOB_BYTES + max_rows * ((vocab_size + 31) // 32) * 4
+
+
+def shared_mask(mm: mmap.mmap, max_rows: int, vocab_size: int) -> Any:
+    """The [max_rows, ceil(vocab / 32)] int32 mask in the shared memory."""
+    import torch
+    words = (vocab_size + 31) // 32
+    return torch.frombuffer(mm, dtype=torch.int32, offset=HEADER + JOB_BYTES,
+                            count=max_rows * words).view(max_rows, words)
+
+
+def read_slot(mm: mmap.mmap, slot: int) -> int:
+    return struct.unpack_from("<q", mm, 8 * slot)[0]
+
+
+def write_slot(mm: mmap.mmap, slot: int, value: int) -> None:
+    struct.pack_into("<q", mm, 8 * slot, value)  # an aligned 8-byte store: never seen torn
+
+
+class Worker:
+    def __init__(self, conn: Connection, mm: mmap.mmap, start: Start):
+        import xgrammar as xgr
+
+        from flagserve.engine.structured_outputs.compiler import GrammarCompiler
+        from flagserve.models.tokenizer import load_tokenizer
+        self.conn, self.mm, self._xgr = conn, mm, xgr
+        self._send_lock = threading.Lock()  # compile callbacks send from the compiler's threads
+        self._sent = 0
+        self.seen = 0  # the last job taken from the shared memory
+        self.compiler = GrammarCompiler(load_tokenizer(start.tokenizer), start.vocab_size,
+                                        start.stop_token_ids)
+        self.mask = shared_mask(mm, start.max_rows, start.vocab_size)
+        self.holds: dict[int, Any] = {}  # hold id -> Future of its CompiledGrammar
+        self.matchers: dict[int, Any] = {}  # seq id -> xgrammar.GrammarMatcher
+        # One thread: more competed with the engine's own for 2 cores (a 6x slower fill).
+        self.batch = xgr.BatchGrammarMatcher(max_threads=1)
+
+    def send(self, msg: Any) -> None:
+        """To the engine, which looks at the pipe only when the SENT count says to."""
+        with self._send_lock:
+            self.conn.send(msg)
+            self._sent += 1
+            write_slot(self.mm, SENT, self._sent)
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, Step):
+            self.step(msg)
+        elif isinstance(msg, Compile):
+            future = self.compiler.submit(msg.kind, msg.spec)
+            self.holds[msg.hold_id] = future
+            future.add_done_callback(lambda f, hold_id=msg.hold_id: self._compiled(hold_id, f))
+
+    def _compiled(self, hold_id: int, future: Any) -> None:
+        err = future.exception()
+        if err is not None:
+            self.holds.pop(hold_id, None)
+        self.send(Compiled(hold_id, None if err is None else f"{type(err).__name__}: {err}",
+                           self.compiler.requests, self.compiler.cache_hits))
+
+    def step(self, job: Step) -> None:
+        rejected = [seq_id for op in job.ops if (seq_id := self._apply(op)) is not None]
+        ids, tokens = job.accept
+        if ids:
+            ok = self.batch.batch_accept_token([self.matchers[i] for i in ids], tokens)
+            rejected += [i for i, accepted in zip(ids, ok) if not accepted]
+        mask = self.mask[:job.num_rows]
+        mask.fill_(-1)  # all ones: unconstrained rows allow everything
+        rows, ids = job.fill
+        if rows:
+            self.batch.batch_fill_next_token_bitmask([self.matchers[i] for i in ids], mask, rows)
+        if rejected:
+            self.send(Rejected(rejected))  # before the counter: the engine reads it after
+        write_slot(self.mm, DONE, job.job)
+
+    def take_job(self) -> Step | None:
+        """The job the engine wrote into the shared memory, if there is a new one."""
+        job = read_slot(self.mm, SUBMITTED)
+        if job == self.seen:
+            return None
+        self.seen = job
+        length = read_slot(self.mm, JOB_LEN)
+        return pickle.loads(self.mm[HEADER:HEADER + length])
+
+    def _apply(self, op: tuple) -> int | None:
+        """One matcher change; the seq id when a replayed token is outside the grammar."""
+        if op[0] == "new":
+            _, seq_id, hold_id = op
+            self.matchers[seq_id] = self._xgr.GrammarMatcher(self.holds[hold_id].result())
+        elif op[0] == "forget":
+            self.matchers.pop(op[1], None)
+        elif op[0] == "reset":  # preempted and recomputed, or seen more than it holds
+            _, seq_id, tokens = op
+            matcher = self.matchers[seq_id]
+            matcher.reset()
+            for token in tokens:
+                if not matcher.accept_token(token):
+                    return seq_id
+        elif op[0] == "unhold":
+            self.holds.pop(op[1], None)
+        return None
+
+
+def serve(conn: Connection, worker: Worker) -> None:
+    last = time.monotonic()
+    while True:
+        if (job := worker.take_job()) is not None:
+            worker.step(job)
+        elif conn.poll(0):
+            msg = conn.recv()  # EOFError when the engine is gone: this process ends with it
+            if msg is None:
+                return
+            worker.handle(msg)
+        elif time.monotonic() - last > ACTIVE_S:
+            # Asleep: the engine sends a Wake with its next job. Looked again after saying
+            # so, so that a job written meanwhile is not left waiting.
+            write_slot(worker.mm, ASLEEP, 1)
+            if read_slot(worker.mm, SUBMITTED) == worker.seen:
+                conn.poll(None)
+            write_slot(worker.mm, ASLEEP, 0)
+            continue
+        else:
+            time.sleep(POLL_S)
+            continue
+        last = time.monotonic()
+
+
+def use_the_engines_cores() -> None:
+    """Run on any core of the engine's threads. A child inherits the affinity of the thread
+    that started it, and an engine's OpenMP binds that thread to its first core: left so,
+    this process would share it with the engine's step loop (2.1x ITL on 2 cores)."""
+    import os
+    from pathlib import Path
+    cores: set[int] = set()
+    for task in Path(f"/proc/{os.getppid()}/task").glob("*"):
+        try:
+            cores |= os.sched_getaffinity(int(task.name))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
+def main(argv: list[str]) -> int:
+    conn = Connection(int(argv[0]))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s grammar %(levelname)s %(message)s")
+    try:
+        use_the_engines_cores()
+        with open(int(argv[1]), "r+b") as shm:
+            mm = mmap.mmap(shm.fileno(), 0)
+        worker = Worker(conn, mm, conn.recv())
+        serve(conn, worker)
+    except EOFError:
+        return 0
+    except BaseException:  # noqa: BLE001 - reported to the engine, which fails its requests
+        try:
+            conn.send(Failed(traceback.format_exc()))
+        except OSError:
+            pass
+        return 1
+    worker.compiler.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    # The module's own classes, not __main__'s copies: messages are pickled by class path.
+    from flagserve.engine.structured_outputs.worker import main as module_main
+    sys.exit(module_main(sys.argv[1:]))

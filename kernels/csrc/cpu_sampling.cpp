@@ -1,0 +1,59 @@
+// A grammar's token bitmask applied to a batch's logits (structured outputs, issue 14): -inf
+// where a row's bit is 0. Bit j of word w is token 32 * w + j (xgrammar's layout). One pass
+// that copies whole words of allowed (or banned) tokens at once; the torch reference (a byte
+// table lookup and an add, kernels/token_bitmask.py) makes an [N, V] float temporary and
+// took 25 us for 32 x 1536, 50 ms for 256 x 49152.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int64_t kRowGrain = 16;  // rows below this run inline, no thread wake-up
+
+at::Tensor apply_token_bitmask(const at::Tensor& logits, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logits: [N, V] float32");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt &&
+                  bitmask.size(0) == logits.size(0) && bitmask.size(1) * 32 >= logits.size(1),
+              "bitmask: [N, ceil(V / 32)] int32");
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor bits = bitmask.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const int64_t vocab = x.size(1), words = bits.size(1);
+  const float* src = x.data_ptr<float>();
+  const int32_t* mask = bits.data_ptr<int32_t>();
+  float* dst = out.data_ptr<float>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* s = src + r * vocab;
+      const int32_t* m = mask + r * words;
+      float* d = dst + r * vocab;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const int64_t base = w * 32, n = std::min<int64_t>(32, vocab - base);
+        const uint32_t word = static_cast<uint32_t>(m[w]);
+        if (word == 0xffffffffu) {
+          std::memcpy(d + base, s + base, n * sizeof(float));
+        } else if (word == 0) {
+          std::fill(d + base, d + base + n, ninf);
+        } else {
+          for (int64_t j = 0; j < n; ++j) d[base + j] = (word >> j) & 1u ? s[base + j] : ninf;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
+  m.def("apply_token_bitmask(Tensor logits, Tensor bitmask) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(flagserve_cpu, CPU, m) {
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
+}
