@@ -233,3 +233,47 @@ def test_shutdown_stops_the_grammar_process(grammars):
     proc = so._process.proc
     so.shutdown()
     assert proc.poll() is not None
+
+
+def test_grammar_process_ends_with_its_engine(llama_path):
+    # An engine process that dies without shutdown() (killed, crashed) leaves no grammar
+    # process behind: its end of the pipe closes and the grammar process exits.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from flagserve.models.tokenizer import load_tokenizer
+    tok = load_tokenizer(llama_path)
+    script = f"""
+import os, time
+from flagserve.engine.sequence import Sequence
+from flagserve.engine.sampling_params import SamplingParams
+from flagserve.engine.structured_outputs.matchers import StructuredOutputs
+from flagserve.engine.structured_outputs.params import StructuredOutputsParams
+so = StructuredOutputs({llama_path!r}, {len(tok)}, [{tok.eos_token_id}], max_rows=4)
+params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+so.hold("r", [Sequence("r", 0, [1, 2], 2, params, 0.0)])
+while not so.release()[0]:
+    time.sleep(0.01)
+print(so._process.proc.pid, flush=True)
+os._exit(0)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pid = int(out.stdout.split()[-1])
+
+    def running() -> bool:
+        try:
+            return " Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:2]
+        except OSError:
+            return False
+    try:
+        deadline = time.monotonic() + 10
+        while running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running()
+    finally:
+        if running():
+            os.kill(pid, signal.SIGKILL)
