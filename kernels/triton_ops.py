@@ -1,10 +1,10 @@
 """The Triton implementation of every op, as one KernelOps (importing this imports triton)."""
 from kernels.backend import KernelOps
+from kernels.token_bitmask import apply_token_bitmask_torch
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_decode_attention import paged_decode_attention_triton
 from kernels.triton_prefill_attention import paged_prefill_attention_triton
 from kernels.triton_rms_norm import fused_add_rms_norm_triton, rms_norm_triton
-from kernels.token_bitmask import apply_token_bitmask_torch
 from kernels.triton_rotary_store import rotary_store_kvcache_triton
 
 TRITON_OPS = KernelOps(

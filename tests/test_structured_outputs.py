@@ -217,8 +217,8 @@ def test_grammar_process_death_is_an_error_not_a_hang(grammars):
     so, _ = grammars
     first = [Sequence("r1", 0, [1, 2], 2, constrained(regex="[a-z]+"), 0.0)]
     _ready(so, "r1", first)
-    so._process.proc.kill()
-    so._process.proc.wait()
+    so.process.proc.kill()
+    so.process.proc.wait()
     so.hold("r2", [Sequence("r2", 1, [1, 2], 2, constrained(regex="[0-9]+"), 0.0)])
     ready, failed = so.release()
     assert ready == [] and [r for r, _ in failed] == ["r2"] and "grammar process" in failed[0][1]
@@ -230,7 +230,7 @@ def test_shutdown_stops_the_grammar_process(grammars):
     from flagserve.engine.sequence import Sequence
     so, _ = grammars
     _ready(so, "r", [Sequence("r", 0, [1, 2], 2, constrained(regex="[a-z]+"), 0.0)])
-    proc = so._process.proc
+    proc = so.process.proc
     so.shutdown()
     assert proc.poll() is not None
 
@@ -258,7 +258,7 @@ params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+
 so.hold("r", [Sequence("r", 0, [1, 2], 2, params, 0.0)])
 while not so.release()[0]:
     time.sleep(0.01)
-print(so._process.proc.pid, flush=True)
+print(so.process.proc.pid, flush=True)
 os._exit(0)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -57,7 +57,7 @@ class StructuredOutputs:
     matchers: dict[int, _Matcher] = field(default_factory=dict)  # seq_id -> matcher
     compile_requests: int = 0  # the compiler's counters, as last reported
     cache_hits: int = 0
-    _process: GrammarProcess | None = None  # started by the first constrained request
+    process: GrammarProcess | None = None  # the grammar process, started by the first constrained request
     _held: dict[str, _Held] = field(default_factory=dict)  # request id -> its grammar's sequences
     _compiled: dict[int, str | None] = field(default_factory=dict)  # hold id -> error, when done
     _rejected: set[int] = field(default_factory=set)
@@ -67,12 +67,12 @@ class StructuredOutputs:
     # Requests waiting for their grammar
 
     def hold(self, request_id: str, seqs: list[Sequence]) -> None:
-        if self._process is None:
-            self._process = GrammarProcess(Start(self.tokenizer, self.vocab_size,
+        if self.process is None:
+            self.process = GrammarProcess(Start(self.tokenizer, self.vocab_size,
                                                  list(self.stop_token_ids), self.max_rows))
         params = seqs[0].params.structured_outputs
         held = self._held[request_id] = _Held(next(self._hold_ids), seqs)
-        self._process.send(Compile(held.hold_id, params.kind, params.spec()))
+        self.process.send(Compile(held.hold_id, params.kind, params.spec()))
 
     def drop(self, request_id: str) -> bool:
         """Forget a held request (aborted); True when it was held."""
@@ -88,7 +88,7 @@ class StructuredOutputs:
 
     def wait(self, timeout: float) -> None:
         """Block until a grammar is ready or `timeout`: for a step with nothing else to run."""
-        if self._process is not None:
+        if self.process is not None:
             self._receive(timeout)
 
     def release(self) -> tuple[list[Sequence], list[tuple[str, str]]]:
@@ -99,10 +99,10 @@ class StructuredOutputs:
         self._receive(force=True)  # a dead process is noticed here too, not only by an idle wait
         ready, failed = [], []
         for request_id, held in list(self._held.items()):
-            if held.hold_id not in self._compiled and self._process.error is None:
+            if held.hold_id not in self._compiled and self.process.error is None:
                 continue
             del self._held[request_id]
-            error = self._compiled.pop(held.hold_id, self._process.error)
+            error = self._compiled.pop(held.hold_id, self.process.error)
             if error is not None:
                 failed.append((request_id, error))
                 continue
@@ -114,7 +114,7 @@ class StructuredOutputs:
         return ready, failed
 
     def _receive(self, timeout: float = 0.0, force: bool = False) -> None:
-        for msg in self._process.receive(timeout, force):
+        for msg in self.process.receive(timeout, force):
             if isinstance(msg, Compiled):
                 self._compiled[msg.hold_id] = msg.error
                 self.compile_requests, self.cache_hits = msg.requests, msg.cache_hits
@@ -173,9 +173,9 @@ class StructuredOutputs:
                 m.pending = None
             fill_ids.append(seq.seq_id)
         ops, self._ops = self._ops, []
-        job = self._process.submit(Step(0, len(seqs), ops, (accept_ids, accept_tokens),
+        job = self.process.submit(Step(0, len(seqs), ops, (accept_ids, accept_tokens),
                                         (fill_rows, fill_ids)))
-        return MaskJob(self._process, job, len(seqs))
+        return MaskJob(self.process, job, len(seqs))
 
     def forget(self, seq: Sequence) -> None:
         if self.matchers.pop(seq.seq_id, None) is not None:
@@ -183,5 +183,5 @@ class StructuredOutputs:
             self._rejected.discard(seq.seq_id)
 
     def shutdown(self) -> None:
-        if self._process is not None:
-            self._process.close()
+        if self.process is not None:
+            self.process.close()

@@ -13,6 +13,7 @@ never pays for waking it (each syscall on the pipe cost the engine 20-40 us).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import pickle
@@ -223,10 +224,8 @@ def use_the_engines_cores() -> None:
     from pathlib import Path
     cores: set[int] = set()
     for task in Path(f"/proc/{os.getppid()}/task").glob("*"):
-        try:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
             cores |= os.sched_getaffinity(int(task.name))
-        except OSError:  # a thread that ended meanwhile
-            pass
     if cores:
         os.sched_setaffinity(0, cores)
 
@@ -243,10 +242,8 @@ def main(argv: list[str]) -> int:
     except EOFError:
         return 0
     except BaseException:  # noqa: BLE001 - reported to the engine, which fails its requests
-        try:
+        with contextlib.suppress(OSError):
             conn.send(Failed(traceback.format_exc()))
-        except OSError:
-            pass
         return 1
     worker.compiler.shutdown()
     return 0
