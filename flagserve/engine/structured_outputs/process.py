@@ -12,6 +12,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection, Pipe
 from typing import Any
@@ -44,10 +45,19 @@ class GrammarProcessError(RuntimeError):
     pass
 
 
+def _anonymous_file() -> int:
+    """A file with no name to clean up: gone when both processes close it."""
+    if hasattr(os, "memfd_create"):  # Linux
+        return os.memfd_create("flagserve-grammar-mask")
+    fd, path = tempfile.mkstemp(prefix="flagserve-grammar-mask-")
+    os.unlink(path)
+    return fd
+
+
 class GrammarProcess:
     def __init__(self, start: Start):
         size = shm_size(start.max_rows, start.vocab_size)
-        fd = os.memfd_create("flagserve-grammar-mask")  # no name to clean up: gone with both ends
+        fd = _anonymous_file()
         parent, child = Pipe(duplex=True)
         try:
             os.ftruncate(fd, size)

@@ -222,6 +222,8 @@ def use_the_engines_cores() -> None:
     this process would share it with the engine's step loop (2.1x ITL on 2 cores)."""
     import os
     from pathlib import Path
+    if not hasattr(os, "sched_setaffinity"):  # macOS: no affinity to inherit
+        return
     cores: set[int] = set()
     for task in Path(f"/proc/{os.getppid()}/task").glob("*"):
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
