@@ -12,7 +12,7 @@ from flagserve import LLM, SamplingParams, StructuredOutputsParams
 from flagserve.engine.structured_outputs.compiler import GrammarCompiler
 from flagserve.models.packaged import smollm2_gguf
 from kernels import cpu_native
-from kernels.token_bitmask import apply_token_bitmask_torch
+from kernels.sampling import apply_token_bitmask_torch
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"},

@@ -21,7 +21,7 @@ from kernels.decode_attention import paged_decode_attention_torch
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.rms_norm import fused_add_rms_norm_torch, rms_norm_torch
 from kernels.rotary_store import rotary_store_kvcache_torch
-from kernels.token_bitmask import apply_token_bitmask_torch
+from kernels.sampling import apply_token_bitmask_torch, argmax_torch
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "FLAGSERVE_KERNEL_BACKEND"
@@ -38,6 +38,7 @@ class KernelOps:
     fused_add_rms_norm: Callable
     silu_and_mul: Callable
     apply_token_bitmask: Callable  # a grammar's allowed tokens (sampler)
+    argmax: Callable  # each row's largest logit (sampler)
 
 
 TORCH_OPS = KernelOps(
@@ -49,6 +50,7 @@ TORCH_OPS = KernelOps(
     fused_add_rms_norm=fused_add_rms_norm_torch,
     silu_and_mul=silu_and_mul_torch,
     apply_token_bitmask=apply_token_bitmask_torch,
+    argmax=argmax_torch,
 )
 
 

@@ -5,7 +5,8 @@
   full decode batch that copy is more bytes per step than the model's weights.
 - RMSNorm, residual add + RMSNorm, SiLU-and-mul and rotary + KV store are one pass each
   (cpu_elementwise.cpp) where the reference runs 5-15 torch ops.
-- A grammar's token bitmask is one pass over the logits (cpu_sampling.cpp).
+- The sampler's argmax and a grammar's token bitmask are one pass each over the logits
+  (cpu_sampling.cpp), where torch's take 10x longer.
 
 Built once per machine with the C++ compiler torch.compile uses too, into
 ~/.cache/flagserve/cpu-kernels (keyed by the sources, torch's version and the CPU's flags:
@@ -28,7 +29,7 @@ import torch
 
 from kernels.backend import KernelOps
 from kernels.rms_norm import rms_norm_torch
-from kernels.token_bitmask import apply_token_bitmask_torch
+from kernels.sampling import apply_token_bitmask_torch, argmax_torch
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,12 @@ def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> torc
     return torch.ops.flagserve_cpu.apply_token_bitmask(logits, bitmask)
 
 
+def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0:
+        return argmax_torch(logits)
+    return torch.ops.flagserve_cpu.argmax_rows(logits)
+
+
 def native_ops(ops: KernelOps) -> KernelOps:
     """`ops` with every op that has a native CPU kernel replaced by it."""
     return dataclasses.replace(ops, name=f"{ops.name}+cpu-native",
@@ -164,4 +171,4 @@ def native_ops(ops: KernelOps) -> KernelOps:
                                rms_norm=rms_norm_cpu, fused_add_rms_norm=fused_add_rms_norm_cpu,
                                silu_and_mul=silu_and_mul_cpu,
                                rotary_store_kvcache=rotary_store_kvcache_cpu,
-                               apply_token_bitmask=apply_token_bitmask_cpu)
+                               apply_token_bitmask=apply_token_bitmask_cpu, argmax=argmax_cpu)

@@ -132,7 +132,7 @@ def test_token_bitmask_matches_xgrammar(vocab, impl):
     import xgrammar as xgr
 
     from kernels import cpu_native
-    from kernels.token_bitmask import apply_token_bitmask_torch
+    from kernels.sampling import apply_token_bitmask_torch
     if impl == "native" and not cpu_native.available():
         pytest.skip("the native CPU kernels do not build here")
     apply = apply_token_bitmask_torch if impl == "torch" else cpu_native.apply_token_bitmask_cpu

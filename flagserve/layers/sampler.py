@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kernels import KernelOps
-from kernels.token_bitmask import apply_token_bitmask_torch
+from kernels.sampling import apply_token_bitmask_torch, argmax_torch
 
 
 @dataclass
@@ -122,6 +122,7 @@ class Sampler(nn.Module):
     def __init__(self, seed: int, device: torch.device, ops: KernelOps | None = None):
         super().__init__()
         self.apply_token_bitmask = ops.apply_token_bitmask if ops else apply_token_bitmask_torch
+        self.argmax = ops.argmax if ops else argmax_torch
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -133,12 +134,12 @@ class Sampler(nn.Module):
         if batch.repetition_penalties is not None or batch.presence_penalties is not None:
             logits = apply_penalties(logits, batch)
         logits = apply_bans_and_grammar(logits, batch, self.apply_token_bitmask)
-        tokens = logits.argmax(-1)
+        tokens = self.argmax(logits)
         if not batch.all_greedy:
             temps = batch.temperatures.clamp_min(1e-5)[:, None]
             probs = apply_top_k_top_p_min_p(logits / temps, batch).softmax(-1)
             noise = exponential_noise(tuple(probs.shape), batch.generators, probs.device, self.generator)
-            sampled = (probs / noise).argmax(-1)
+            sampled = self.argmax(probs / noise)
             tokens = torch.where(batch.temperatures == 0, tokens, sampled)
         if not want_logprobs:
             return SamplerOutput(tokens.tolist(), None, None, None, None)

@@ -1,7 +1,16 @@
-"""A grammar's token bitmask applied to logits: -inf where a row's bit is 0 (bit j of word w
-is token 32 * w + j, xgrammar's layout). The reference for every device; CPU engines run
-the native kernel (csrc/cpu_sampling.cpp)."""
+"""The sampler's ops on a batch's logits, the reference for every device; CPU engines run the
+native kernels (csrc/cpu_sampling.cpp).
+
+- A grammar's token bitmask: -inf where a row's bit is 0 (bit j of word w is token 32 * w + j,
+  xgrammar's layout).
+- The index of each row's largest value, the first on ties (greedy rows, and the exponential
+  race of sampled ones).
+"""
 import torch
+
+
+def argmax_torch(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
 
 _BIAS_TABLES: dict[torch.device, torch.Tensor] = {}
 
