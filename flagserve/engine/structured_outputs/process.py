@@ -24,9 +24,10 @@ from flagserve.engine.structured_outputs.worker import (
     HEADER,
     JOB_BYTES,
     JOB_LEN,
-    POLL_S,
     SENT,
     SUBMITTED,
+    WAITING,
+    Done,
     Failed,
     Start,
     Step,
@@ -37,7 +38,8 @@ from flagserve.engine.structured_outputs.worker import (
     write_slot,
 )
 
-SPIN_S = 2e-3  # a job not done by then: the mask waits in sleeps, looking for a dead process
+SPIN_S = 30e-6  # a job not done by then: the engine blocks until the grammar process says so
+WAIT_S = 1e-3  # looking for a dead process meanwhile
 STOP_TIMEOUT_S = 5.0
 
 
@@ -78,6 +80,7 @@ class GrammarProcess:
         self.max_rows = start.max_rows
         self._jobs = 0
         self._received = 0  # messages read from the pipe, against the SENT slot
+        self._inbox: list[Any] = []  # read while waiting for a job, for the next receive()
         self.error: str | None = None  # why the process is gone
         self.send(start)
 
@@ -105,37 +108,45 @@ class GrammarProcess:
         return self._jobs
 
     def wait(self, job: int) -> None:
-        """Until the job's mask is written: usually it is, since it ran beside the forward."""
+        """Until the job's mask is written: usually it is, since it ran beside the forward.
+        Late, the engine blocks on the pipe for the process's Done rather than spin: on a
+        busy machine a spinning engine takes the core the grammar process needs."""
         start = time.perf_counter()
-        woken = False
         while read_slot(self._mm, DONE) < job:
-            if time.perf_counter() - start > SPIN_S:
-                if self.error is not None or self.proc.poll() is not None:
-                    self.receive(force=True)  # its Failed message, if it sent one
-                    self._gone()
-                    raise GrammarProcessError(self.error)
-                if not woken:  # it may have gone to sleep just as the job came
-                    self.send(Wake())
-                    woken = True
-                time.sleep(POLL_S)
+            if time.perf_counter() - start < SPIN_S:
+                continue
+            write_slot(self._mm, WAITING, job)  # then looked at again: no Done is missed
+            self.send(Wake())  # in case it went to sleep just as the job came
+            try:
+                while read_slot(self._mm, DONE) < job:
+                    if self.error is not None or self.proc.poll() is not None:
+                        self._read(0.0)  # its Failed message, if it sent one
+                        self._gone()
+                        raise GrammarProcessError(self.error)
+                    self._read(WAIT_S)
+            finally:
+                write_slot(self._mm, WAITING, 0)
 
     def receive(self, timeout: float = 0.0, force: bool = False) -> list[Any]:
         """The messages that came (waiting up to `timeout` for the first). Without a timeout
         the pipe is read only when the process says it sent something."""
-        out: list[Any] = []
-        if not (timeout or force or read_slot(self._mm, SENT) > self._received):
-            return out
+        if timeout or force or read_slot(self._mm, SENT) > self._received:
+            self._read(timeout)
+        out, self._inbox = self._inbox, []
+        return out
+
+    def _read(self, timeout: float) -> None:
         try:
-            while self.error is None and self.conn.poll(timeout if not out else 0):
+            while self.error is None and self.conn.poll(timeout):
                 msg = self.conn.recv()
                 self._received += 1
                 if isinstance(msg, Failed):
                     self.error = f"the grammar process failed:\n{msg.error}"
-                else:
-                    out.append(msg)
+                elif not isinstance(msg, Done):
+                    self._inbox.append(msg)
+                timeout = 0.0
         except (EOFError, OSError):
             self._gone()
-        return out
 
     def _gone(self) -> None:
         if self.error is None:

@@ -26,17 +26,20 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 # The shared memory: a header of int64 slots, the job area, then the mask.
-DONE, SUBMITTED, JOB_LEN, SENT, ASLEEP = range(5)  # header slots (who writes: see Channel)
+# Header slots. The engine writes SUBMITTED, JOB_LEN and WAITING (the job it blocks on);
+# this process DONE (the last job finished), SENT (messages sent) and ASLEEP.
+DONE, SUBMITTED, JOB_LEN, SENT, ASLEEP, WAITING = range(6)
 HEADER = 64
 JOB_BYTES = 1 << 20  # a pickled Step; a larger one (long replays) goes over the pipe
 # While jobs come, the pipe and the job area are looked at POLLS_PER_STEP times per interval
 # between jobs: often enough that a job starts early in the forward it runs beside, rarely
 # enough not to keep taking a core from the engine's threads (at a fixed 50 us, a SmolLM2
-# step with 2 threads took 12% longer). Steps long enough for looks MAX_POLL_S apart wake
-# this process instead.
-POLL_S = 50e-6  # the shortest sleep between looks (the engine's wait sleeps this long too)
+# step with 2 threads took 12% longer; 4 looks per step cost the served tiny model less CPU
+# than 16 or 8 for the same ITL). Steps long enough for looks MAX_POLL_S apart wake this
+# process instead.
+POLL_S = 50e-6  # the shortest sleep between looks
 MAX_POLL_S = 1e-3
-POLLS_PER_STEP = 16
+POLLS_PER_STEP = 4
 ACTIVE_S = 0.5  # then block on the pipe: an idle server costs nothing
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,10 @@ class Step(NamedTuple):
 
 class Wake(NamedTuple):  # a job is in the shared memory (sent when the process sleeps)
     pass
+
+
+class Done(NamedTuple):  # the job the engine is blocked on is finished
+    job: int
 
 
 class Compiled(NamedTuple):
@@ -158,6 +165,8 @@ class Worker:
         if rejected:
             self.send(Rejected(rejected))  # before the counter: the engine reads it after
         write_slot(self.mm, DONE, job.job)
+        if read_slot(self.mm, WAITING) == job.job:
+            self.send(Done(job.job))
 
     def take_job(self) -> Step | None:
         """The job the engine wrote into the shared memory, if there is a new one."""
