@@ -169,6 +169,21 @@ def jsonl_dataset(path: str | Path, num_prompts: int | None, output_len: int | N
     return out
 
 
+def warmup_indices(samples: list[SampleRequest], warmup: int) -> list[int]:
+    """The samples a warm-up sends: the first `warmup`, then the first of each schema they
+    miss, so that no timed request pays a grammar's first compile (or the grammar process's
+    start); none when warmup is 0."""
+    if not warmup:
+        return []
+    chosen = list(range(min(warmup, len(samples))))
+    seen = [samples[i].schema for i in chosen]
+    for i, sample in enumerate(samples):
+        if sample.schema is not None and sample.schema not in seen:
+            chosen.append(i)
+            seen.append(sample.schema)
+    return chosen
+
+
 def build_dataset(name: BenchDataset, tokenizer: Any, num_prompts: int, input_len: int,
                   output_len: int, range_ratio: float = 0.0, prefix_len: int = 0,
                   path: str | None = None, seed: int = 0,

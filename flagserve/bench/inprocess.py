@@ -15,7 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from flagserve.bench.datasets import SampleRequest
+from flagserve.bench.datasets import SampleRequest, warmup_indices
 from flagserve.bench.metrics import RequestResult
 from flagserve.config.schema import BenchEndpoint
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
@@ -46,7 +46,7 @@ def bench_engine(engine: Any, samples: list[SampleRequest], offsets: list[float]
                               ignore_eos=ignore_eos, output_kind=RequestOutputKind.DELTA,
                               structured_outputs=schema)
 
-    for i in range(min(warmup, len(samples))):  # warm-up, as the HTTP run
+    for i in warmup_indices(samples, warmup):  # warm-up, as the HTTP run
         engine.add_request(f"warmup-{i}", ids[i], params(samples[i], len(ids[i]), cap=8))
     while engine.has_unfinished():
         engine.step()

@@ -109,6 +109,20 @@ def test_json_schema_dataset_carries_its_schemas_to_both_drivers(tokenizer, llam
     assert [r.output_len for r in results] == [24] * 4
 
 
+def test_warm_up_sends_every_schema_once_before_the_timed_requests(tokenizer):
+    """A timed constrained request must never pay its grammar's first compile: the warm-up
+    holds the first `warmup` samples and then the first sample of each schema they miss."""
+    from flagserve.bench.datasets import BENCH_SCHEMAS, SampleRequest, warmup_indices
+
+    samples = build_dataset("json-schema", tokenizer, 9, 8, 8)
+    assert warmup_indices(samples, 1) == [0, 1, 2, 3]
+    assert warmup_indices(samples, 6) == [0, 1, 2, 3, 4, 5]
+    assert {str(samples[i].schema) for i in warmup_indices(samples, 2)} == set(map(str, BENCH_SCHEMAS))
+    assert warmup_indices(samples, 0) == []
+    plain = [SampleRequest("x", 1, 4)] * 3
+    assert warmup_indices(plain, 2) == [0, 1]
+
+
 def test_shared_prefix_with_several_prefixes_draws_one_per_request(tokenizer):
     """--num-prefixes: each prompt starts with one of the prefixes, drawn (not in turn, which
     round-robin routing over 2 replicas would keep on one replica each by accident)."""
