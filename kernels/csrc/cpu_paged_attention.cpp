@@ -17,6 +17,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FLAGSERVE_QK8 1
+#endif
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -67,14 +72,72 @@ inline float exp_sum(float* x, int64_t n, float m) {
   return s;
 }
 
+// f(first token, offset of its row, rows) for each block of cached positions [0, len).
+template <typename F>
+inline void for_blocks(const int32_t* table, int64_t len, const Layout& l, F&& f) {
+  for (int64_t start = 0, b = 0; start < len; start += l.block_size, ++b)
+    f(start, table[b] * l.block_stride, std::min(l.block_size, len - start));
+}
+
 // f(t, offset of row t in the cache) for t in [0, len), block by block: a division per
 // token (t / block_size with a runtime block size) cost as much as the row's dot product.
 template <typename F>
 inline void for_rows(const int32_t* table, int64_t len, const Layout& l, F&& f) {
-  for (int64_t start = 0, b = 0; start < len; start += l.block_size, ++b) {
-    const int64_t base = table[b] * l.block_stride, n = std::min(l.block_size, len - start);
+  for_blocks(table, len, l, [&](int64_t start, int64_t base, int64_t n) {
     for (int64_t j = 0; j < n; ++j) f(start + j, base + j * l.token_stride);
+  });
+}
+
+#ifdef FLAGSERVE_QK8
+// Lane i = the sum of a[i]'s lanes: one reduction for 8 dot products. A horizontal sum per
+// dot product cost more than the dot itself at head_dim 32-64 (AVX2).
+inline __m256 sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// scores[g * len + t + i] = q[g] . K[rows[i]] for 8 cached rows (head_dim a multiple of 8).
+inline void qk8(const float* q, const float* k, const int64_t* rows, const Layout& l,
+                float* scores, int64_t len, int64_t t) {
+  for (int64_t g = 0; g < l.groups; ++g) {
+    const float* qg = q + g * l.head_dim;
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < l.head_dim; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(qg + d);
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + rows[i] + d), a[i]);
+    }
+    _mm256_storeu_ps(scores + g * len + t, sum8(a));
   }
+}
+#endif
+
+// scores[g, t] = q[g] . K[t] (q pre-scaled) for t in [0, len).
+template <typename T>
+inline void qk_scores(const float* qf, const T* k, const int32_t* table, int64_t len,
+                      const Layout& l, float* scores, float* tmp) {
+  const int64_t D = l.head_dim, G = l.groups;
+  auto one = [&](int64_t t, int64_t row) {
+    const float* kr = as_float<T>(k + row, D, tmp);
+    for (int64_t g = 0; g < G; ++g) scores[g * len + t] = dot(qf + g * D, kr, D);
+  };
+#ifdef FLAGSERVE_QK8
+  if (std::is_same<T, float>::value && D % 8 == 0) {
+    const float* kf = reinterpret_cast<const float*>(k);
+    for_blocks(table, len, l, [&](int64_t start, int64_t base, int64_t n) {
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        int64_t rows[8];
+        for (int i = 0; i < 8; ++i) rows[i] = base + (j + i) * l.token_stride;
+        qk8(qf, kf, rows, l, scores, len, start + j);
+      }
+      for (; j < n; ++j) one(start + j, base + j * l.token_stride);
+    });
+    return;
+  }
+#endif
+  for_rows(table, len, l, one);
 }
 
 // acc[g] = sum over t of p[g, t] * V[t] for float32 caches, 4 vectors of a row at a time:
@@ -111,10 +174,7 @@ template <typename T>
 void attend(const float* qf, const T* k, const T* v, const int32_t* table, int64_t len,
             const Layout& l, float* scores, float* acc, float* tmp, T* out, int64_t out_stride) {
   const int64_t D = l.head_dim, G = l.groups;
-  for_rows(table, len, l, [&](int64_t t, int64_t row) {
-    const float* kr = as_float<T>(k + row, D, tmp);
-    for (int64_t g = 0; g < G; ++g) scores[g * len + t] = dot(qf + g * D, kr, D);
-  });
+  qk_scores<T>(qf, k, table, len, l, scores, tmp);
   std::vector<float> inv(G);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * len;
