@@ -37,15 +37,16 @@ def resolve_dtype(name: Dtype, cfg: ModelConfig, device: torch.device) -> torch.
 
 
 # How decode-only steps run. eager: at their exact size. padded: padded to a bucket
-# (input_buffers.py), forward run eagerly: CPU, and kernels that sync with the host (the torch
-# reference on CUDA). graph: padded, and a CUDA graph of that bucket replayed.
+# (input_buffers.py), forward run eagerly: kernels that sync with the host (the torch
+# reference on CUDA). graph: padded, and a CUDA graph of that bucket replayed. CPU steps run
+# eager: with no graph to replay, a padded row is only more matmul work (up to 7 rows in 8).
 DecodeMode = Literal["eager", "padded", "graph"]
 
 
 def decode_mode(enforce_eager: bool, device: torch.device, ops: KernelOps) -> DecodeMode:
-    if enforce_eager:
+    if enforce_eager or device.type != "cuda":
         return "eager"
-    return "graph" if device.type == "cuda" and ops.name == "triton" else "padded"
+    return "graph" if ops.name == "triton" else "padded"
 
 
 class ModelRunner:
