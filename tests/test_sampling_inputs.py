@@ -39,3 +39,15 @@ def test_mixed_rows():
     assert b.presence_penalties.tolist() == [0, 0, 0.5]
     assert b.frequency_penalties.tolist() == [0, 0, 0.25]
     assert b.prompt_token_ids == [[1, 2]] * 3 and b.output_token_ids == [[3]] * 3
+
+
+def test_plain_greedy_rows_skip_the_parameter_array():
+    """Greedy rows without logprobs or min_tokens need no per-row tensors; any other row in
+    the batch (or penalties) brings the full batch back."""
+    plain = batch_of([SamplingParams(temperature=0)] * 2, [0, 0])
+    assert plain.all_greedy and plain.temperatures is None and plain.max_num_logprobs == -1
+    for other in (SamplingParams(temperature=0, logprobs=0), SamplingParams(temperature=0, min_tokens=1),
+                  SamplingParams(temperature=0.7)):
+        full = batch_of([SamplingParams(temperature=0), other], [0, 0])
+        assert full.temperatures is not None, other
+    assert batch_of([SamplingParams(temperature=0)] * 2, [0, 0], penalties=True).temperatures is not None

@@ -20,16 +20,22 @@ class SeqSampling:
     prompt_token_ids: list[int]  # empty unless penalties need them
     generator: torch.Generator | None  # seeded requests: survives preemption, dies with the seq
     row: tuple[float, ...] = field(init=False)
+    plain: bool = field(init=False)  # greedy, no logprobs, no min_tokens: needs no row at all
 
     def __post_init__(self) -> None:
         p = self.params
         self.row = (p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p, p.min_p,
                     -1 if p.logprobs is None else p.logprobs, p.min_tokens)
+        self.plain = p.temperature == 0 and p.logprobs is None and p.min_tokens == 0
 
 
 def sampling_batch(seqs: list[SeqSampling], step: StepInput, vocab_size: int,
                    eos_token_ids: tuple[int, ...], device: torch.device) -> SamplingBatch:
     """The batch of the rows that sample this step (`seqs`, in step.sample_indices order)."""
+    if step.output_token_ids is None and all(s.plain for s in seqs):
+        # The common case, greedy rows only: the argmax reads no per-row parameter.
+        return SamplingBatch(None, None, None, None, all_greedy=True,
+                             token_bitmask=step.grammar_bitmask())
     rows = np.array([s.row for s in seqs], dtype=np.float32)
     top_k_on = bool((rows[:, TOP_K] > 0).any())
     rows[rows[:, TOP_K] == 0, TOP_K] = vocab_size

@@ -18,7 +18,7 @@ from kernels.sampling import apply_token_bitmask_torch, argmax_torch
 
 @dataclass
 class SamplingBatch:
-    temperatures: torch.Tensor  # [N] fp32, 0 = greedy
+    temperatures: torch.Tensor | None  # [N] fp32, 0 = greedy; None when all_greedy
     top_ks: torch.Tensor | None  # [N] int64, vocab size where off; None when no row uses it
     top_ps: torch.Tensor | None  # [N] fp32
     min_ps: torch.Tensor | None  # [N] fp32
