@@ -55,6 +55,30 @@ def test_deltas_add_up_to_the_whole_decode(tokenizer):
             assert head + detok.text == whole
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_single_token_texts_give_the_window_decodes_deltas(tokenizer, skip_special_tokens):
+    """Where the tokenizer is byte-level, a token after a whole character appends its own
+    cached text: every delta must equal the one the two window decodes give."""
+    from flagserve.engine.detokenizer import piece_cache
+
+    assert piece_cache(tokenizer, skip_special_tokens) is not None  # all of ours are byte-level
+    rng = random.Random(2)
+    text = "caf\u00e9 \u4f60\u597d, na\u00efve \U0001f600 r\u00e9sum\u00e9 <|im_end|> " * 3
+    natural = tokenizer.encode(text, add_special_tokens=False)
+    for trial in range(40):
+        prompt = random_ids(tokenizer, rng, rng.randrange(1, 12))
+        out = natural[:rng.randrange(1, len(natural))] if trial % 2 else random_ids(tokenizer, rng, 30)
+        fast = IncrementalDetokenizer.for_prompt(tokenizer, len(prompt), skip_special_tokens)
+        slow = IncrementalDetokenizer.for_prompt(tokenizer, len(prompt), skip_special_tokens)
+        slow._pieces = None  # noqa: SLF001 - the window decodes only
+        ids = list(prompt)
+        for token in out:
+            ids.append(token)
+            assert fast.append(ids) == slow.append(ids), (prompt, ids)
+        assert fast.text == slow.text
+    assert piece_cache(tokenizer, skip_special_tokens)  # the cached path ran
+
+
 def test_find_stop_string_earliest_match_ending_in_the_delta():
     assert find_stop_string("abcSTOPdef", 3, ["STOP"]) is None  # ended before the delta
     assert find_stop_string("abcSTOPdef", 5, ["STOP", "def"]) == ("STOP", 3)

@@ -4,24 +4,43 @@ Decoding a window that starts a few tokens back and keeping only the new suffix 
 same text as decoding everything (spaces and multi-byte characters that span tokens
 included) at a cost independent of the output length.
 """
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenizers.decoders import ByteLevel
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first outputs, for correct spacing
 
+# tokenizer -> skip_special_tokens -> token id -> its text alone (byte-level tokenizers only)
+_pieces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plain_backend(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether tokenizer.decode is the Rust tokenizer's decode and nothing more."""
+    return (isinstance(tokenizer, PreTrainedTokenizerFast)
+            and type(tokenizer)._decode is PreTrainedTokenizerFast._decode  # noqa: SLF001 (no override)
+            and not tokenizer.clean_up_tokenization_spaces)
+
 
 def decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """tokenizer.decode(ids, skip_special_tokens=...), through the Rust tokenizer directly when
-    that is all the HF wrapper would do: its Python layers cost more than the decode itself,
-    and every output token is decoded twice."""
-    if (isinstance(tokenizer, PreTrainedTokenizerFast)
-            and type(tokenizer)._decode is PreTrainedTokenizerFast._decode  # noqa: SLF001 (no override)
-            and not tokenizer.clean_up_tokenization_spaces):
+    that is all the HF wrapper would do: its Python layers cost more than the decode itself."""
+    if _plain_backend(tokenizer):
         backend = tokenizer.backend_tokenizer
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def piece_cache(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> dict[int, str] | None:
+    """The shared cache of single-token texts where text is additive: a byte-level decoder
+    turns the tokens' bytes into UTF-8, so once the text so far ends on a whole character, a
+    token whose own bytes are whole characters appends exactly its own text. None elsewhere
+    (SentencePiece decoders strip or replace by position)."""
+    if not (_plain_backend(tokenizer) and isinstance(tokenizer.backend_tokenizer.decoder, ByteLevel)):
+        return None
+    return _pieces.setdefault(tokenizer, {}).setdefault(skip_special_tokens, {})
 
 
 @dataclass
@@ -32,9 +51,12 @@ class IncrementalDetokenizer:
     read_offset: int
     text: str = ""
     _decode: Callable[[list[int]], str] = field(init=False, repr=False)
+    _pieces: dict[int, str] | None = field(init=False, repr=False)
+    _whole: bool = field(default=False, init=False, repr=False)  # the text ends on a whole character
 
     def __post_init__(self) -> None:
         self._decode = decoder(self.tokenizer, self.skip_special_tokens)
+        self._pieces = piece_cache(self.tokenizer, self.skip_special_tokens)
 
     @classmethod
     def for_prompt(cls, tokenizer: PreTrainedTokenizerBase, num_prompt_tokens: int,
@@ -43,15 +65,30 @@ class IncrementalDetokenizer:
                    max(num_prompt_tokens - CONTEXT_TOKENS, 0), num_prompt_tokens)
 
     def append(self, token_ids: list[int]) -> str:
-        """token_ids: the whole sequence, its newest token last. Returns the new text."""
-        prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(token_ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 character or nothing visible yet: wait for more
-        delta = full[len(prefix):]
+        """token_ids: the whole sequence, its newest token last. Returns the new text. Two
+        decodes of a window, or one dictionary lookup where the token's own text is exact."""
+        delta = self._piece(token_ids) if self._whole else None
+        if delta is None:
+            prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
+            full = self._decode(token_ids[self.prefix_offset:])
+            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+                return ""  # an incomplete UTF-8 character or nothing visible yet: wait for more
+            delta = full[len(prefix):]
+            self._whole = self._pieces is not None
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
         self.text += delta
         return delta
+
+    def _piece(self, token_ids: list[int]) -> str | None:
+        """The newest token's own text where that is exactly what it appends (the one token
+        after a whole character, itself whole characters); None: decode the window."""
+        if self.read_offset != len(token_ids) - 1:
+            return None
+        token = token_ids[-1]
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self._decode([token])
+        return piece if piece and "\ufffd" not in piece else None
 
 
 def find_stop_string(text: str, delta_len: int, stops: list[str]) -> tuple[str, int] | None:
