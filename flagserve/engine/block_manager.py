@@ -129,6 +129,8 @@ class BlockManager:
         return block_id
 
     def _register_full_blocks(self, seq: Sequence, num_full: int) -> None:
+        if num_full <= seq.num_hashed_blocks:
+            return  # most decode steps: no block filled up
         parent_hash = 0
         parent_uid = 0
         if seq.num_hashed_blocks:
