@@ -35,15 +35,22 @@ def test_decoder_is_the_tokenizers_decode(tokenizer, skip_special_tokens):
             assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+def trials(tokenizer, seed: int, n: int, text: str):
+    """(prompt, output) pairs: random prompts; outputs alternately a prefix of `text`'s tokens
+    (multi-byte characters split across tokens) and random ids."""
+    rng = random.Random(seed)
+    natural = tokenizer.encode(text, add_special_tokens=False)
+    for trial in range(n):
+        prompt = random_ids(tokenizer, rng, rng.randrange(1, 12))
+        yield prompt, (natural[:rng.randrange(1, len(natural))] if trial % 2
+                       else random_ids(tokenizer, rng, 30))
+
+
 def test_deltas_add_up_to_the_whole_decode(tokenizer):
     # The text streamed token by token is the decode of all output tokens (given the prompt),
     # once no incomplete character is left at the end.
-    rng = random.Random(1)
     text = "caf\u00e9 \u4f60\u597d, na\u00efve \U0001f600 r\u00e9sum\u00e9 " * 3
-    natural = tokenizer.encode(text, add_special_tokens=False)
-    for trial in range(30):
-        prompt = random_ids(tokenizer, rng, rng.randrange(1, 12))
-        out = natural[:rng.randrange(1, len(natural))] if trial % 2 else random_ids(tokenizer, rng, 30)
+    for prompt, out in trials(tokenizer, 1, 30, text):
         detok = IncrementalDetokenizer.for_prompt(tokenizer, len(prompt), skip_special_tokens=True)
         ids = list(prompt)
         for token in out:
@@ -62,12 +69,8 @@ def test_single_token_texts_give_the_window_decodes_deltas(tokenizer, skip_speci
     from flagserve.engine.detokenizer import piece_cache
 
     assert piece_cache(tokenizer, skip_special_tokens) is not None  # all of ours are byte-level
-    rng = random.Random(2)
     text = "caf\u00e9 \u4f60\u597d, na\u00efve \U0001f600 r\u00e9sum\u00e9 <|im_end|> " * 3
-    natural = tokenizer.encode(text, add_special_tokens=False)
-    for trial in range(40):
-        prompt = random_ids(tokenizer, rng, rng.randrange(1, 12))
-        out = natural[:rng.randrange(1, len(natural))] if trial % 2 else random_ids(tokenizer, rng, 30)
+    for prompt, out in trials(tokenizer, 2, 40, text):
         fast = IncrementalDetokenizer.for_prompt(tokenizer, len(prompt), skip_special_tokens)
         slow = IncrementalDetokenizer.for_prompt(tokenizer, len(prompt), skip_special_tokens)
         slow._pieces = None  # noqa: SLF001 - the window decodes only
