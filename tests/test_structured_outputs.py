@@ -1,6 +1,7 @@
 """Structured outputs: every output follows its grammar, and constraining one request changes
 nothing for the others, nor under preemption, chunked prefill, prefix caching and n > 1."""
 import json
+import os
 import pickle
 import re
 
@@ -277,3 +278,37 @@ os._exit(0)
     finally:
         if running():
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_header_slots_are_never_read_torn():
+    # The engine and the grammar process poll each other's counters in the shared header: a
+    # counter read half-written (a job number crossing a multiple of 256 read as 0) made the
+    # grammar process take a job twice and reject its tokens. Here one process counts across
+    # such boundaries while this one reads: the value must never go back.
+    import mmap
+
+    from flagserve.engine.structured_outputs.worker import (
+        HEADER,
+        SUBMITTED,
+        header_slots,
+        read_slot,
+        write_slot,
+    )
+    mm = mmap.mmap(-1, HEADER)
+    slots = header_slots(mm)
+    count = 400_000
+    pid = os.fork()
+    if pid == 0:  # the writer: plain Python only, then out without pytest's teardown
+        for value in range(1, count + 1):
+            write_slot(slots, SUBMITTED, value)
+        os._exit(0)
+    last, backwards = 0, 0
+    try:
+        while last < count:
+            value = read_slot(slots, SUBMITTED)
+            backwards += value < last
+            last = max(last, value)
+    finally:
+        os.waitpid(pid, 0)
+    assert backwards == 0

@@ -32,6 +32,7 @@ from flagserve.engine.structured_outputs.worker import (
     Start,
     Step,
     Wake,
+    header_slots,
     read_slot,
     shared_mask,
     shm_size,
@@ -76,6 +77,7 @@ class GrammarProcess:
             os.close(fd)
             child.close()
         self.conn: Connection = parent
+        self._slots = header_slots(self._mm)
         self.mask = shared_mask(self._mm, start.max_rows, start.vocab_size)
         self.max_rows = start.max_rows
         self._jobs = 0
@@ -101,9 +103,9 @@ class GrammarProcess:
             self.send(step._replace(job=self._jobs))
             return self._jobs
         self._mm[HEADER:HEADER + len(data)] = data
-        write_slot(self._mm, JOB_LEN, len(data))
-        write_slot(self._mm, SUBMITTED, self._jobs)  # last: the job is complete once this is seen
-        if read_slot(self._mm, ASLEEP):
+        write_slot(self._slots, JOB_LEN, len(data))
+        write_slot(self._slots, SUBMITTED, self._jobs)  # last: the job is complete once this is seen
+        if read_slot(self._slots, ASLEEP):
             self.send(Wake())
         return self._jobs
 
@@ -112,25 +114,25 @@ class GrammarProcess:
         Late, the engine blocks on the pipe for the process's Done rather than spin: on a
         busy machine a spinning engine takes the core the grammar process needs."""
         start = time.perf_counter()
-        while read_slot(self._mm, DONE) < job:
+        while read_slot(self._slots, DONE) < job:
             if time.perf_counter() - start < SPIN_S:
                 continue
-            write_slot(self._mm, WAITING, job)  # then looked at again: no Done is missed
+            write_slot(self._slots, WAITING, job)  # then looked at again: no Done is missed
             self.send(Wake())  # in case it went to sleep just as the job came
             try:
-                while read_slot(self._mm, DONE) < job:
+                while read_slot(self._slots, DONE) < job:
                     if self.error is not None or self.proc.poll() is not None:
                         self._read(0.0)  # its Failed message, if it sent one
                         self._gone()
                         raise GrammarProcessError(self.error)
                     self._read(WAIT_S)
             finally:
-                write_slot(self._mm, WAITING, 0)
+                write_slot(self._slots, WAITING, 0)
 
     def receive(self, timeout: float = 0.0, force: bool = False) -> list[Any]:
         """The messages that came (waiting up to `timeout` for the first). Without a timeout
         the pipe is read only when the process says it sent something."""
-        if timeout or force or read_slot(self._mm, SENT) > self._received:
+        if timeout or force or read_slot(self._slots, SENT) > self._received:
             self._read(timeout)
         out, self._inbox = self._inbox, []
         return out

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import mmap
 import pickle
-import struct
 import sys
 import threading
 import time
@@ -103,12 +102,19 @@ def shared_mask(mm: mmap.mmap, max_rows: int, vocab_size: int) -> Any:
                             count=max_rows * words).view(max_rows, words)
 
 
-def read_slot(mm: mmap.mmap, slot: int) -> int:
-    return struct.unpack_from("<q", mm, 8 * slot)[0]
+def header_slots(mm: mmap.mmap) -> memoryview:
+    """The header's int64 slots, each read and written whole: a native "q" item is one
+    aligned 8-byte load or store. (struct's "<q" goes byte by byte: the grammar process read
+    torn job counters, took a job twice and accepted its tokens twice.)"""
+    return memoryview(mm)[:HEADER].cast("q")
 
 
-def write_slot(mm: mmap.mmap, slot: int, value: int) -> None:
-    struct.pack_into("<q", mm, 8 * slot, value)  # an aligned 8-byte store: never seen torn
+def read_slot(slots: memoryview, slot: int) -> int:
+    return slots[slot]
+
+
+def write_slot(slots: memoryview, slot: int, value: int) -> None:
+    slots[slot] = value
 
 
 class Worker:
@@ -118,6 +124,7 @@ class Worker:
         from flagserve.engine.structured_outputs.compiler import GrammarCompiler
         from flagserve.models.tokenizer import load_tokenizer
         self.conn, self.mm, self._xgr = conn, mm, xgr
+        self.slots = header_slots(mm)
         self._send_lock = threading.Lock()  # compile callbacks send from the compiler's threads
         self._sent = 0
         self.seen = 0  # the last job taken from the shared memory
@@ -134,7 +141,7 @@ class Worker:
         with self._send_lock:
             self.conn.send(msg)
             self._sent += 1
-            write_slot(self.mm, SENT, self._sent)
+            write_slot(self.slots, SENT, self._sent)
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, Step):
@@ -164,17 +171,17 @@ class Worker:
             self.batch.batch_fill_next_token_bitmask([self.matchers[i] for i in ids], mask, rows)
         if rejected:
             self.send(Rejected(rejected))  # before the counter: the engine reads it after
-        write_slot(self.mm, DONE, job.job)
-        if read_slot(self.mm, WAITING) == job.job:
+        write_slot(self.slots, DONE, job.job)
+        if read_slot(self.slots, WAITING) == job.job:
             self.send(Done(job.job))
 
     def take_job(self) -> Step | None:
         """The job the engine wrote into the shared memory, if there is a new one."""
-        job = read_slot(self.mm, SUBMITTED)
+        job = read_slot(self.slots, SUBMITTED)
         if job == self.seen:
             return None
         self.seen = job
-        length = read_slot(self.mm, JOB_LEN)
+        length = read_slot(self.slots, JOB_LEN)
         return pickle.loads(self.mm[HEADER:HEADER + length])
 
     def _apply(self, op: tuple) -> int | None:
@@ -214,10 +221,10 @@ def serve(conn: Connection, worker: Worker) -> None:
             # Asleep, for long steps (waking this process costs their engine little) and an
             # idle engine: the engine sends a Wake with its next job. Looked again after
             # saying so, so that a job written meanwhile is not left waiting.
-            write_slot(worker.mm, ASLEEP, 1)
-            if read_slot(worker.mm, SUBMITTED) == worker.seen:
+            write_slot(worker.slots, ASLEEP, 1)
+            if read_slot(worker.slots, SUBMITTED) == worker.seen:
                 conn.poll(None)
-            write_slot(worker.mm, ASLEEP, 0)
+            write_slot(worker.slots, ASLEEP, 0)
             continue
         else:
             time.sleep(poll)
