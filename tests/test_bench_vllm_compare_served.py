@@ -2,7 +2,7 @@
 import math
 
 from flagserve.bench.metrics import BenchmarkMetrics
-from flagserve.bench.vllm_compare_served import rate_name, table
+from flagserve.bench.vllm_compare_served import rate_name, run_names, table
 
 
 def metrics(tok_s: float, ttft: float, itl: float, ttft_p99: float) -> BenchmarkMetrics:
@@ -22,3 +22,9 @@ def test_one_engine_has_no_ratio_rows():
     runs = {"flagserve": {rate_name(math.inf): metrics(120, 300, 50, 900)}}
     rows = table(runs).splitlines()
     assert rows[2:] == ["| all at once | flagserve | 120.0 | 300 | 50 | 900 |"]
+
+
+def test_repeated_rates_get_a_row_each():
+    assert run_names([4.0, 4.0, math.inf, 4.0]) == ["4 req/s #1", "4 req/s #2", "all at once",
+                                                    "4 req/s #3"]
+    assert run_names([1.0, math.inf]) == ["1 req/s", "all at once"]

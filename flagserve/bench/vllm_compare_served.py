@@ -79,17 +79,29 @@ def bench_server(root: str, model: str, args: argparse.Namespace) -> dict[str, B
     served = http.get(f"{root}/v1/models", timeout=30)
     target = Target(root, json.loads(served)["data"][0]["id"])
     out = {}
-    for i, rate in enumerate(args.rates):
+    for i, (rate, name) in enumerate(zip(args.rates, run_names(args.rates), strict=True)):
         s = Settings(num_prompts=args.num_prompts, input_len=args.input_len,
                      output_len=args.output_len, request_rate=rate, seed=args.seed + i,
                      progress=False)
         samples, offsets = workload(s, tokenizer)
-        out[rate_name(rate)] = http_run(rate_name(rate), target, s, samples, offsets).metrics
+        out[name] = http_run(name, target, s, samples, offsets).metrics
     return out
 
 
 def rate_name(rate: float) -> str:
     return "all at once" if math.isinf(rate) else f"{rate:g} req/s"
+
+
+def run_names(rates: list[float]) -> list[str]:
+    """One row name per run: a rate given more than once is numbered (`4 req/s #2`), since
+    TTFT near saturation differs 2x between runs and one run of each engine settles nothing."""
+    names = [rate_name(r) for r in rates]
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(f"{name} #{seen[name]}" if names.count(name) > 1 else name)
+    return out
 
 
 def table(results: dict[str, dict[str, BenchmarkMetrics]]) -> str:
@@ -117,7 +129,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", help="the interpreter of vLLM's venv")
-    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, math.inf])
+    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, math.inf],
+                        help="req/s of each run (inf: all at once); repeat one to run it again")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
