@@ -41,13 +41,14 @@ def counters(url: str) -> dict[str, dict[tuple[str, ...], float]]:
 def settled(url: str, requests_done: int) -> dict[str, dict[tuple[str, ...], float]]:
     """The counters once the engines' and routers' pushes (every 0.5 s) cover
     `requests_done` requests."""
-    for _ in range(40):
+    for _ in range(60):
         c = counters(url)
         if (sum(c["vllm:request_success_total"].values()) == requests_done
                 and sum(c["flagserve:router_decisions_total"].values()) == requests_done):
-            break
+            return c
         time.sleep(0.5)
-    return c
+    # stale counts would pass for a routing failure (an engine missing from the difference)
+    raise AssertionError(f"/metrics does not cover {requests_done} requests after 30 s: {c}")
 
 
 def since(after: dict, before: dict) -> dict[str, dict[tuple[str, ...], float]]:
@@ -108,8 +109,9 @@ def test_prefix_aware_routing_beats_round_robin_on_hit_rate(tmp_path):
     rate_pa, done_pa, decisions_pa = serve_and_measure(tmp_path, "prefix_aware")
     rate_rr, done_rr, decisions_rr = serve_and_measure(tmp_path, "round_robin")
     # Both engines took requests under either strategy (prefix_aware did not just pick one).
-    assert len(done_pa) == 2 and min(done_pa.values()) > 0 and sum(done_pa.values()) == total
-    assert len(done_rr) == 2 and min(done_rr.values()) == total // 2, done_rr
+    assert len(done_pa) == 2 and min(done_pa.values()) > 0 and sum(done_pa.values()) == total, \
+        (done_pa, decisions_pa)
+    assert len(done_rr) == 2 and min(done_rr.values()) == total // 2, (done_rr, decisions_rr)
     # Labels in name order: engine, model_name, outcome, strategy. Each prefix's first request
     # has no holder (balance); every later one goes where it went (affinity).
     by_outcome: dict[str, float] = {}
