@@ -17,6 +17,7 @@ import contextlib
 import logging
 import mmap
 import pickle
+import select
 import sys
 import threading
 import time
@@ -206,13 +207,15 @@ class Worker:
 def serve(conn: Connection, worker: Worker) -> None:
     last = previous_job = time.monotonic()
     poll = POLL_S
+    pipe_ready = False
     while True:
         if (job := worker.take_job()) is not None:
             now = time.monotonic()
             poll = min(max((now - previous_job) / POLLS_PER_STEP, POLL_S), MAX_POLL_S)
             previous_job = now
             worker.step(job)
-        elif conn.poll(0):
+        elif pipe_ready:
+            pipe_ready = False
             msg = conn.recv()  # EOFError when the engine is gone: this process ends with it
             if msg is None:
                 return
@@ -223,13 +226,20 @@ def serve(conn: Connection, worker: Worker) -> None:
             # saying so, so that a job written meanwhile is not left waiting.
             write_slot(worker.slots, ASLEEP, 1)
             if read_slot(worker.slots, SUBMITTED) == worker.seen:
-                conn.poll(None)
+                pipe_ready = wait_for_pipe(conn, None)
             write_slot(worker.slots, ASLEEP, 0)
             continue
         else:
-            time.sleep(poll)
+            pipe_ready = wait_for_pipe(conn, poll)
             continue
         last = time.monotonic()
+
+
+def wait_for_pipe(conn: Connection, timeout: float | None) -> bool:
+    """Sleep up to `timeout` (None: for ever) or until the pipe has a message; whether it has.
+    One select() is both the sleep and the look at the pipe: a look costs ~40 us of CPU on a
+    VM as time.sleep + Connection.poll (which builds a selector per call), ~22 us as one."""
+    return bool(select.select([conn.fileno()], [], [], timeout)[0])
 
 
 def use_the_engines_cores() -> None:
