@@ -39,7 +39,7 @@ case "$1" in
     run attention "$py" benchmarks/attention.py --dtype bfloat16
     run attention_graph "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph --only decode
     run latency_qwen3 "$py" benchmarks/throughput.py --shape qwen3-0.6b --latency \
-      --input-len 128 128 --output-len 256 256 --dtype bfloat16
+      --input-len 128 128 --output-len 256 256 --dtype bfloat16 --profile 16
     run latency_qwen3_eager "$py" benchmarks/throughput.py --shape qwen3-0.6b --latency \
       --input-len 128 128 --output-len 256 256 --dtype bfloat16 --enforce-eager
     run latency_llama3_8b "$py" benchmarks/throughput.py --shape llama3-8b --latency \

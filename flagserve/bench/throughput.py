@@ -24,7 +24,7 @@ from typing import get_args
 
 import torch
 
-from flagserve.bench.throughput_latency import decode_latency
+from flagserve.bench.throughput_latency import decode_latency, profile_decode
 from flagserve.bench.throughput_roofline import (
     floor_seconds,
     kv_bytes,
@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency", action="store_true",
                         help="batch-1 decode instead: one prompt of --input-len MIN tokens, "
                              "--output-len MAX tokens, ms per token")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="with --latency: also print a torch profile of STEPS decode steps")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -173,6 +175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.num_layers is not None and (args.shape is None or args.num_layers < 1):
         parser.error("--num-layers takes a positive count and needs --shape")
+    if args.profile and not (args.latency and args.profile > 0):
+        parser.error("--profile takes a positive number of steps and needs --latency")
     for name in ("input_len", "output_len"):
         low, high = getattr(args, name)
         if not 1 <= low <= high:
@@ -220,8 +224,9 @@ def run_latency(model: str, args: argparse.Namespace, cfg, extra: dict) -> dict:
     decode_latency(llm, prompt, 4)  # warm-up
     per_step, steps = decode_latency(llm, prompt, args.output_len[1])
     work = Workload([prompt], [steps + 1])
+    profiled = {"profile": profile_decode(llm, prompt, args.profile)} if args.profile else {}
     return {"ms_per_token": per_step * 1e3, "decode_steps": steps,
-            **roofline(args, cfg, work, steps, per_step * steps)}
+            **roofline(args, cfg, work, steps, per_step * steps), **profiled}
 
 
 def run_throughput(model: str, args: argparse.Namespace, cfg, extra: dict) -> dict:
@@ -244,6 +249,8 @@ def report(args: argparse.Namespace, result: dict) -> None:
         print(f"batch-1 decode: prompt {a.input_len[0]} tokens, {result['decode_steps']} decode "
               f"steps, {a.dtype}, {result['device']}")
         print(f"FlagServe          {result['ms_per_token']:8.3f} ms per token")
+        if "profile" in result:
+            print(f"profile of {a.profile} decode steps:\n{result['profile']}")
     else:
         print(f"workload: {a.num_seqs} requests, prompts {a.input_len[0]}-{a.input_len[1]} tokens, "
               f"outputs {a.output_len[0]}-{a.output_len[1]} tokens ({result['output_tokens']} in "

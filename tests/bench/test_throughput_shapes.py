@@ -19,6 +19,8 @@ QUICK = ["--shape", "qwen3-0.6b", "--num-layers", "1", "--bandwidth-gbs", "10"]
     (["--num-layers", "2"], "needs --shape"),
     (["--shape", "llama3-8b", "--num-layers", "0"], "positive"),
     (["--input-len", "9", "3"], "MIN <= MAX"),
+    (["--profile", "4"], "needs --latency"),
+    (["--latency", "--profile", "-2"], "positive"),
 ])
 def test_bad_arguments(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -65,6 +67,14 @@ def test_latency_mode(capsys):
     assert result["decode_steps"] == 3 and result["ms_per_token"] > 0  # token 0 is the prefill's
     assert "ms per token" in capsys.readouterr().out
     assert result["args"]["max_model_len"] == 9 and torch.get_num_threads() >= 1
+
+
+def test_latency_profile(capsys):
+    result = main(QUICK + ["--latency", "--input-len", "5", "5", "--output-len", "4", "4",
+                           "--profile", "3"])
+    out = capsys.readouterr().out
+    assert "profile of 3 decode steps" in out and "Self CPU" in out
+    assert "aten::" in result["profile"] or "flagserve" in result["profile"]  # the ops are named
 
 
 def test_load_format_is_checked():
