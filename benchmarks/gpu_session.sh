@@ -21,30 +21,33 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 "$py" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' \
   >> "$out/gpu.txt" 2>&1
 
-run() {  # name, command...: the command's output in $out/<name>.log, its status in the summary
-  local name="$1"; shift
+# name, seconds, command...: the command's output in $out/<name>.log, its status in the
+# summary. Each run has its own limit (exit 124 when it hits it): one that hangs must not take
+# the device call's 10 minutes, and the rest of the call with it.
+run() {
+  local name="$1" limit="$2"; shift 2
   local start=$SECONDS
-  "$@" > "$out/$name.log" 2>&1
+  timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
 }
 
 case "$1" in
   tests)
-    run tests "$py" -m pytest -q -p no:cacheprovider \
+    run tests 540 "$py" -m pytest -q -p no:cacheprovider \
       tests/kernels tests/test_engine_api.py tests/test_hf_parity.py tests/test_cuda_graph_buckets.py \
       tests/test_sampling.py tests/test_sampling_inputs.py tests/test_scheduling.py \
       tests/test_prefix_cache.py tests/test_tiny_model.py tests/bench/test_throughput_shapes.py
     ;;
   bench)
-    run attention "$py" benchmarks/attention.py --dtype bfloat16
-    run attention_graph "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph --only decode
-    run latency_qwen3 "$py" benchmarks/throughput.py --shape qwen3-0.6b --latency \
+    run attention 120 "$py" benchmarks/attention.py --dtype bfloat16
+    run attention_graph 60 "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph --only decode
+    run latency_qwen3 90 "$py" benchmarks/throughput.py --shape qwen3-0.6b --latency \
       --input-len 128 128 --output-len 256 256 --dtype bfloat16 --profile 16
-    run latency_qwen3_eager "$py" benchmarks/throughput.py --shape qwen3-0.6b --latency \
+    run latency_qwen3_eager 60 "$py" benchmarks/throughput.py --shape qwen3-0.6b --latency \
       --input-len 128 128 --output-len 256 256 --dtype bfloat16 --enforce-eager
-    run latency_llama3_8b "$py" benchmarks/throughput.py --shape llama3-8b --latency \
+    run latency_llama3_8b 90 "$py" benchmarks/throughput.py --shape llama3-8b --latency \
       --input-len 128 128 --output-len 256 256 --dtype bfloat16
-    run nanovllm_qwen3 "$py" benchmarks/throughput.py --shape qwen3-0.6b --num-seqs 256 \
+    run nanovllm_qwen3 150 "$py" benchmarks/throughput.py --shape qwen3-0.6b --num-seqs 256 \
       --input-len 100 1024 --output-len 100 1024 --dtype bfloat16
     ;;
 esac
