@@ -314,3 +314,50 @@ def test_header_slots_are_never_read_torn():
     finally:
         os.waitpid(pid, 0)
     assert backwards == 0 and last == count, (backwards, last)
+
+
+def test_a_job_is_taken_only_once_all_its_bytes_are_there(monkeypatch):
+    # On a weakly ordered CPU the engine's job number can be seen before the job's bytes: the
+    # grammar process must not take stale or torn bytes for the job, and must not wait for
+    # ever either.
+    import mmap
+    import time
+    import types
+    import zlib
+
+    from flagserve.engine.structured_outputs import worker as w
+
+    mm = mmap.mmap(-1, w.HEADER + 4096)
+    slots = w.header_slots(mm)
+    reader = types.SimpleNamespace(seen=0, unreadable_since=None)
+
+    def write(step: w.Step, number: int, crc_of: bytes | None = None) -> bytes:
+        data = pickle.dumps(step)
+        mm[w.HEADER:w.HEADER + len(data)] = data
+        w.write_slot(slots, w.JOB_LEN, len(data))
+        w.write_slot(slots, w.JOB_CRC, zlib.crc32(data if crc_of is None else crc_of))
+        w.write_slot(slots, w.SUBMITTED, number)
+        return data
+
+    first = w.Step(1, 2, [], ([], []), ([0], [7]))
+    assert w.take_job(reader, mm, slots) is None  # nothing submitted
+    write(first, 1)
+    assert w.take_job(reader, mm, slots) == first and reader.seen == 1
+    assert w.take_job(reader, mm, slots) is None  # taken once
+    second = w.Step(2, 3, [("forget", 7)], ([], []), ([], []))
+    write(first, 2)  # number 2 visible, the bytes still job 1's
+    assert w.take_job(reader, mm, slots) is None and reader.seen == 1
+    new = pickle.dumps(second)
+    half = len(new) // 2  # half new, half what was there, with the new one's length and crc
+    mm[w.HEADER:w.HEADER + half] = new[:half]
+    w.write_slot(slots, w.JOB_LEN, len(new))
+    w.write_slot(slots, w.JOB_CRC, zlib.crc32(new))
+    assert w.take_job(reader, mm, slots) is None
+    write(second, 2)  # all there now
+    assert w.take_job(reader, mm, slots) == second and reader.seen == 2
+    write(first, 3)  # job 3 never becomes readable
+    assert w.take_job(reader, mm, slots) is None
+    monkeypatch.setattr(w, "UNREADABLE_S", 0.0)
+    time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="job 3 in the shared memory stayed unreadable: it holds job 1"):
+        w.take_job(reader, mm, slots)

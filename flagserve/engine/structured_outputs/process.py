@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
@@ -23,6 +24,7 @@ from flagserve.engine.structured_outputs.worker import (
     DONE,
     HEADER,
     JOB_BYTES,
+    JOB_CRC,
     JOB_LEN,
     SENT,
     SUBMITTED,
@@ -104,6 +106,7 @@ class GrammarProcess:
             return self._jobs
         self._mm[HEADER:HEADER + len(data)] = data
         write_slot(self._slots, JOB_LEN, len(data))
+        write_slot(self._slots, JOB_CRC, zlib.crc32(data))
         write_slot(self._slots, SUBMITTED, self._jobs)  # last: the job is complete once this is seen
         if read_slot(self._slots, ASLEEP):
             self.send(Wake())

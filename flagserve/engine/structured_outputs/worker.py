@@ -22,13 +22,15 @@ import sys
 import threading
 import time
 import traceback
+import zlib
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 # The shared memory: a header of int64 slots, the job area, then the mask.
-# Header slots. The engine writes SUBMITTED, JOB_LEN and WAITING (the job it blocks on);
+# Header slots. The engine writes SUBMITTED, JOB_LEN, JOB_CRC (of the job's bytes) and WAITING
+# (the job it blocks on);
 # this process DONE (the last job finished), SENT (messages sent) and ASLEEP.
-DONE, SUBMITTED, JOB_LEN, SENT, ASLEEP, WAITING = range(6)
+DONE, SUBMITTED, JOB_LEN, SENT, ASLEEP, WAITING, JOB_CRC = range(7)
 HEADER = 64
 JOB_BYTES = 1 << 20  # a pickled Step; a larger one (long replays) goes over the pipe
 # While jobs come, the pipe and the job area are looked at POLLS_PER_STEP times per interval
@@ -41,6 +43,7 @@ POLL_S = 50e-6  # the shortest sleep between looks
 MAX_POLL_S = 1e-3
 POLLS_PER_STEP = 4
 ACTIVE_S = 0.5  # then block on the pipe: an idle server costs nothing
+UNREADABLE_S = 1.0  # a job's bytes not all visible after its number: an error after this
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +132,7 @@ class Worker:
         self._send_lock = threading.Lock()  # compile callbacks send from the compiler's threads
         self._sent = 0
         self.seen = 0  # the last job taken from the shared memory
+        self.unreadable_since: float | None = None  # when the next job was first seen unreadable
         self.compiler = GrammarCompiler(load_tokenizer(start.tokenizer), start.vocab_size,
                                         start.stop_token_ids)
         self.mask = shared_mask(mm, start.max_rows, start.vocab_size)
@@ -178,12 +182,7 @@ class Worker:
 
     def take_job(self) -> Step | None:
         """The job the engine wrote into the shared memory, if there is a new one."""
-        job = read_slot(self.slots, SUBMITTED)
-        if job == self.seen:
-            return None
-        self.seen = job
-        length = read_slot(self.slots, JOB_LEN)
-        return pickle.loads(self.mm[HEADER:HEADER + length])
+        return take_job(self, self.mm, self.slots)
 
     def _apply(self, op: tuple) -> int | None:
         """One matcher change; the seq id when a replayed token is outside the grammar."""
@@ -202,6 +201,37 @@ class Worker:
         elif op[0] == "unhold":
             self.holds.pop(op[1], None)
         return None
+
+
+def take_job(reader: Any, mm: mmap.mmap, slots: memoryview) -> Step | None:
+    """The new job in the shared memory, if there is one; `reader.seen` is the last taken.
+
+    The engine writes the job's bytes, then its number. x86 keeps stores in that order, but a
+    weakly ordered CPU (Arm: Grace, Graviton) may show the number before all the bytes: a job
+    whose checksum or number does not match is looked at again later, and only one
+    that stays unreadable for UNREADABLE_S is an error (the engine then fails its requests).
+    The checksum catches bytes half old and half new, which would unpickle. (The way back, the
+    mask's rows and then DONE, has no such check yet: on Arm a row could be read stale.)"""
+    job = read_slot(slots, SUBMITTED)
+    if job == reader.seen:
+        return None
+    data = mm[HEADER:HEADER + read_slot(slots, JOB_LEN)]
+    problem = "its checksum does not match"
+    if zlib.crc32(data) == read_slot(slots, JOB_CRC):
+        try:
+            step = pickle.loads(data)
+            if step.job == job:
+                reader.seen, reader.unreadable_since = job, None
+                return step
+            problem = f"it holds job {step.job}"
+        except Exception as err:  # noqa: BLE001 - whatever a torn pickle raises: look again
+            problem = repr(err)
+    now = time.monotonic()
+    if reader.unreadable_since is None:
+        reader.unreadable_since = now
+    elif now - reader.unreadable_since > UNREADABLE_S:
+        raise RuntimeError(f"job {job} in the shared memory stayed unreadable: {problem}")
+    return None
 
 
 def serve(conn: Connection, worker: Worker) -> None:
