@@ -164,11 +164,14 @@ def test_step_input_sends_the_filled_mask_to_shards():
     assert torch.equal(again.token_bitmask, mask) and torch.equal(step.grammar_bitmask(), mask)
 
 
-@pytest.fixture
-def grammars(llama_path):
-    """StructuredOutputs alone, its grammar process stopped after the test however it ends."""
+@pytest.fixture(params=[False, True], ids=["x86", "checked-mask"])
+def grammars(llama_path, request, monkeypatch):
+    """StructuredOutputs alone, its grammar process stopped after the test however it ends;
+    also with the mask checksums a weakly ordered CPU gets (worker.weakly_ordered)."""
+    from flagserve.engine.structured_outputs import matchers
     from flagserve.engine.structured_outputs.matchers import StructuredOutputs
     from flagserve.models.tokenizer import load_tokenizer
+    monkeypatch.setattr(matchers, "weakly_ordered", lambda: request.param)
     tok = load_tokenizer(llama_path)
     so = StructuredOutputs(llama_path, len(tok), [tok.eos_token_id], max_rows=4)
     yield so, tok
@@ -225,6 +228,23 @@ def test_grammar_process_death_is_an_error_not_a_hang(grammars):
     assert ready == [] and [r for r, _ in failed] == ["r2"] and "grammar process" in failed[0][1]
     with pytest.raises(GrammarProcessError, match="grammar process"):
         so.bitmask(first).result()
+
+
+def test_a_mask_that_never_matches_its_checksum_is_an_error(grammars, monkeypatch):
+    from flagserve.engine.sequence import Sequence
+    from flagserve.engine.structured_outputs import process, worker
+    so, _ = grammars
+    seqs = [Sequence("r", 0, [1, 2], 2, constrained(regex="[a-z]+"), 0.0)]
+    _ready(so, "r", seqs)
+    job = so.bitmask(seqs)
+    job.result()  # filled, and (checked-mask) its checksum matched
+    if not so.process.check_mask:
+        pytest.skip("x86: the mask has no checksum")
+    slots = so.process.slots
+    worker.write_slot(slots, worker.MASK_CRC, worker.read_slot(slots, worker.MASK_CRC) ^ 1)
+    monkeypatch.setattr(process, "UNREADABLE_S", 0.01)
+    with pytest.raises(process.GrammarProcessError, match="mask of job .* stayed unreadable"):
+        job.result()
 
 
 def test_shutdown_stops_the_grammar_process(grammars):

@@ -19,7 +19,14 @@ import torch
 
 from flagserve.engine.sequence import Sequence
 from flagserve.engine.structured_outputs.process import GrammarProcess
-from flagserve.engine.structured_outputs.worker import Compile, Compiled, Rejected, Start, Step
+from flagserve.engine.structured_outputs.worker import (
+    Compile,
+    Compiled,
+    Rejected,
+    Start,
+    Step,
+    weakly_ordered,
+)
 
 Advance = Literal["ok", "terminated", "rejected"]
 
@@ -44,7 +51,7 @@ class MaskJob:
     num_rows: int
 
     def result(self) -> torch.Tensor:
-        self.process.wait(self.job)
+        self.process.wait(self.job, self.num_rows)
         return self.process.mask[:self.num_rows]
 
 
@@ -69,7 +76,8 @@ class StructuredOutputs:
     def hold(self, request_id: str, seqs: list[Sequence]) -> None:
         if self.process is None:
             self.process = GrammarProcess(Start(self.tokenizer, self.vocab_size,
-                                                 list(self.stop_token_ids), self.max_rows))
+                                                 list(self.stop_token_ids), self.max_rows,
+                                                 weakly_ordered()))
         params = seqs[0].params.structured_outputs
         held = self._held[request_id] = _Held(next(self._hold_ids), seqs)
         self.process.send(Compile(held.hold_id, params.kind, params.spec()))

@@ -26,8 +26,10 @@ from flagserve.engine.structured_outputs.worker import (
     JOB_BYTES,
     JOB_CRC,
     JOB_LEN,
+    MASK_CRC,
     SENT,
     SUBMITTED,
+    UNREADABLE_S,
     WAITING,
     Done,
     Failed,
@@ -35,6 +37,7 @@ from flagserve.engine.structured_outputs.worker import (
     Step,
     Wake,
     header_slots,
+    mask_bytes,
     read_slot,
     shared_mask,
     shm_size,
@@ -79,8 +82,9 @@ class GrammarProcess:
             os.close(fd)
             child.close()
         self.conn: Connection = parent
-        self._slots = header_slots(self._mm)
+        self.slots = header_slots(self._mm)
         self.mask = shared_mask(self._mm, start.max_rows, start.vocab_size)
+        self._words, self.check_mask = (start.vocab_size + 31) // 32, start.check_mask
         self.max_rows = start.max_rows
         self._jobs = 0
         self._received = 0  # messages read from the pipe, against the SENT slot
@@ -105,37 +109,52 @@ class GrammarProcess:
             self.send(step._replace(job=self._jobs))
             return self._jobs
         self._mm[HEADER:HEADER + len(data)] = data
-        write_slot(self._slots, JOB_LEN, len(data))
-        write_slot(self._slots, JOB_CRC, zlib.crc32(data))
-        write_slot(self._slots, SUBMITTED, self._jobs)  # last: the job is complete once this is seen
-        if read_slot(self._slots, ASLEEP):
+        write_slot(self.slots, JOB_LEN, len(data))
+        write_slot(self.slots, JOB_CRC, zlib.crc32(data))
+        write_slot(self.slots, SUBMITTED, self._jobs)  # last: the job is complete once this is seen
+        if read_slot(self.slots, ASLEEP):
             self.send(Wake())
         return self._jobs
 
-    def wait(self, job: int) -> None:
+    def wait(self, job: int, rows: int = 0) -> None:
         """Until the job's mask is written: usually it is, since it ran beside the forward.
         Late, the engine blocks on the pipe for the process's Done rather than spin: on a
-        busy machine a spinning engine takes the core the grammar process needs."""
+        busy machine a spinning engine takes the core the grammar process needs. With the
+        mask checked (Start.check_mask), also until its first `rows` rows match their crc."""
+        self._wait_done(job)
+        if self.check_mask and rows:
+            self._wait_mask(job, rows)
+
+    def _wait_mask(self, job: int, rows: int) -> None:
+        """DONE was seen; on a weakly ordered CPU the rows may not all be visible yet."""
+        deadline = time.perf_counter() + UNREADABLE_S
+        data = mask_bytes(self._mm, rows, self._words)
+        while zlib.crc32(data) != read_slot(self.slots, MASK_CRC):
+            if time.perf_counter() > deadline:
+                self.error = f"the mask of job {job} stayed unreadable (its checksum differs)"
+                raise GrammarProcessError(self.error)
+
+    def _wait_done(self, job: int) -> None:
         start = time.perf_counter()
-        while read_slot(self._slots, DONE) < job:
+        while read_slot(self.slots, DONE) < job:
             if time.perf_counter() - start < SPIN_S:
                 continue
-            write_slot(self._slots, WAITING, job)  # then looked at again: no Done is missed
+            write_slot(self.slots, WAITING, job)  # then looked at again: no Done is missed
             self.send(Wake())  # in case it went to sleep just as the job came
             try:
-                while read_slot(self._slots, DONE) < job:
+                while read_slot(self.slots, DONE) < job:
                     if self.error is not None or self.proc.poll() is not None:
                         self._read(0.0)  # its Failed message, if it sent one
                         self._gone()
                         raise GrammarProcessError(self.error)
                     self._read(WAIT_S)
             finally:
-                write_slot(self._slots, WAITING, 0)
+                write_slot(self.slots, WAITING, 0)
 
     def receive(self, timeout: float = 0.0, force: bool = False) -> list[Any]:
         """The messages that came (waiting up to `timeout` for the first). Without a timeout
         the pipe is read only when the process says it sent something."""
-        if timeout or force or read_slot(self._slots, SENT) > self._received:
+        if timeout or force or read_slot(self.slots, SENT) > self._received:
             self._read(timeout)
         out, self._inbox = self._inbox, []
         return out

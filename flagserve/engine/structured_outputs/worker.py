@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 # Header slots. The engine writes SUBMITTED, JOB_LEN, JOB_CRC (of the job's bytes) and WAITING
 # (the job it blocks on);
 # this process DONE (the last job finished), SENT (messages sent) and ASLEEP.
-DONE, SUBMITTED, JOB_LEN, SENT, ASLEEP, WAITING, JOB_CRC = range(7)
+DONE, SUBMITTED, JOB_LEN, SENT, ASLEEP, WAITING, JOB_CRC, MASK_CRC = range(8)
 HEADER = 64
 JOB_BYTES = 1 << 20  # a pickled Step; a larger one (long replays) goes over the pipe
 # While jobs come, the pipe and the job area are looked at POLLS_PER_STEP times per interval
@@ -53,6 +53,7 @@ class Start(NamedTuple):
     vocab_size: int
     stop_token_ids: list[int]
     max_rows: int
+    check_mask: bool = False  # write MASK_CRC before DONE (see mask_checked())
 
 
 class Compile(NamedTuple):
@@ -106,6 +107,19 @@ def shared_mask(mm: mmap.mmap, max_rows: int, vocab_size: int) -> Any:
                             count=max_rows * words).view(max_rows, words)
 
 
+def mask_bytes(mm: mmap.mmap, rows: int, words: int) -> memoryview:
+    """The first `rows` rows of the shared mask, as bytes (no copy)."""
+    return memoryview(mm)[HEADER + JOB_BYTES:HEADER + JOB_BYTES + rows * words * 4]
+
+
+def weakly_ordered() -> bool:
+    """Whether another core may see this one's stores out of order: everything but x86.
+    There the mask's rows get a checksum too (Start.check_mask), so that the engine never
+    reads a row older than the DONE it saw; x86 needs none and pays nothing."""
+    import platform
+    return platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
+
+
 def header_slots(mm: mmap.mmap) -> memoryview:
     """The header's int64 slots, each read and written whole: a native "q" item is one
     aligned 8-byte load or store. (struct's "<q" goes byte by byte: the grammar process read
@@ -136,6 +150,7 @@ class Worker:
         self.compiler = GrammarCompiler(load_tokenizer(start.tokenizer), start.vocab_size,
                                         start.stop_token_ids)
         self.mask = shared_mask(mm, start.max_rows, start.vocab_size)
+        self.words, self.check_mask = (start.vocab_size + 31) // 32, start.check_mask
         self.holds: dict[int, Any] = {}  # hold id -> Future of its CompiledGrammar
         self.matchers: dict[int, Any] = {}  # seq id -> xgrammar.GrammarMatcher
         # One thread: more competed with the engine's own for 2 cores (a 6x slower fill).
@@ -176,6 +191,8 @@ class Worker:
             self.batch.batch_fill_next_token_bitmask([self.matchers[i] for i in ids], mask, rows)
         if rejected:
             self.send(Rejected(rejected))  # before the counter: the engine reads it after
+        if self.check_mask:
+            write_slot(self.slots, MASK_CRC, zlib.crc32(mask_bytes(self.mm, job.num_rows, self.words)))
         write_slot(self.slots, DONE, job.job)
         if read_slot(self.slots, WAITING) == job.job:
             self.send(Done(job.job))
@@ -211,7 +228,7 @@ def take_job(reader: Any, mm: mmap.mmap, slots: memoryview) -> Step | None:
     whose checksum or number does not match is looked at again later, and only one
     that stays unreadable for UNREADABLE_S is an error (the engine then fails its requests).
     The checksum catches bytes half old and half new, which would unpickle. (The way back, the
-    mask's rows and then DONE, has no such check yet: on Arm a row could be read stale.)"""
+    mask's rows and then DONE, is checked where stores can be reordered: weakly_ordered().)"""
     job = read_slot(slots, SUBMITTED)
     if job == reader.seen:
         return None
