@@ -240,8 +240,11 @@ def test_a_mask_that_never_matches_its_checksum_is_an_error(grammars, monkeypatc
     job.result()  # filled, and (checked-mask) its checksum matched
     if not so.process.check_mask:
         pytest.skip("x86: the mask has no checksum")
-    slots = so.process.slots
-    worker.write_slot(slots, worker.MASK_CRC, worker.read_slot(slots, worker.MASK_CRC) ^ 1)
+    # The last job's checksum of these very rows (what a stale read of both would see) does
+    # not pass for this job: the checksum is seeded with the job's number.
+    p = so.process
+    stale = worker.mask_crc(p._mm, job.num_rows, p._words, job.job - 1)  # noqa: SLF001
+    worker.write_slot(p.slots, worker.MASK_CRC, stale)
     monkeypatch.setattr(process, "UNREADABLE_S", 0.01)
     with pytest.raises(process.GrammarProcessError, match="mask of job .* stayed unreadable"):
         job.result()

@@ -37,7 +37,7 @@ from flagserve.engine.structured_outputs.worker import (
     Step,
     Wake,
     header_slots,
-    mask_bytes,
+    mask_crc,
     read_slot,
     shared_mask,
     shm_size,
@@ -128,8 +128,7 @@ class GrammarProcess:
     def _wait_mask(self, job: int, rows: int) -> None:
         """DONE was seen; on a weakly ordered CPU the rows may not all be visible yet."""
         deadline = time.perf_counter() + UNREADABLE_S
-        data = mask_bytes(self._mm, rows, self._words)
-        while zlib.crc32(data) != read_slot(self.slots, MASK_CRC):
+        while mask_crc(self._mm, rows, self._words, job) != read_slot(self.slots, MASK_CRC):
             if time.perf_counter() > deadline:
                 self.error = f"the mask of job {job} stayed unreadable (its checksum differs)"
                 raise GrammarProcessError(self.error)

@@ -112,6 +112,12 @@ def mask_bytes(mm: mmap.mmap, rows: int, words: int) -> memoryview:
     return memoryview(mm)[HEADER + JOB_BYTES:HEADER + JOB_BYTES + rows * words * 4]
 
 
+def mask_crc(mm: mmap.mmap, rows: int, words: int, job: int) -> int:
+    """The checksum of a job's mask, seeded with the job's number: a stale checksum read
+    beside stale rows (both the last job's) must not pass for this job's."""
+    return zlib.crc32(mask_bytes(mm, rows, words), job & 0xFFFFFFFF)
+
+
 def weakly_ordered() -> bool:
     """Whether another core may see this one's stores out of order: everything but x86.
     There the mask's rows get a checksum too (Start.check_mask), so that the engine never
@@ -192,7 +198,7 @@ class Worker:
         if rejected:
             self.send(Rejected(rejected))  # before the counter: the engine reads it after
         if self.check_mask:
-            write_slot(self.slots, MASK_CRC, zlib.crc32(mask_bytes(self.mm, job.num_rows, self.words)))
+            write_slot(self.slots, MASK_CRC, mask_crc(self.mm, job.num_rows, self.words, job.job))
         write_slot(self.slots, DONE, job.job)
         if read_slot(self.slots, WAITING) == job.job:
             self.send(Done(job.job))
