@@ -242,9 +242,8 @@ def test_a_mask_that_never_matches_its_checksum_is_an_error(grammars, monkeypatc
         pytest.skip("x86: the mask has no checksum")
     # The last job's checksum of these very rows (what a stale read of both would see) does
     # not pass for this job: the checksum is seeded with the job's number.
-    p = so.process
-    stale = worker.mask_crc(p._mm, job.num_rows, p._words, job.job - 1)  # noqa: SLF001
-    worker.write_slot(p.slots, worker.MASK_CRC, stale)
+    stale = worker.mask_crc(so.process.mask, job.num_rows, job.job - 1)
+    worker.write_slot(so.process.slots, worker.MASK_CRC, stale)
     monkeypatch.setattr(process, "UNREADABLE_S", 0.01)
     with pytest.raises(process.GrammarProcessError, match="mask of job .* stayed unreadable"):
         job.result()
@@ -352,7 +351,10 @@ def test_a_job_is_taken_only_once_all_its_bytes_are_there(monkeypatch):
 
     mm = mmap.mmap(-1, w.HEADER + 4096)
     slots = w.header_slots(mm)
-    reader = types.SimpleNamespace(seen=0, unreadable_since=None)
+    reader = types.SimpleNamespace(seen=0, unreadable_since=None, mm=mm, slots=slots)
+
+    def take() -> w.Step | None:  # the Worker's method, without xgrammar and a tokenizer
+        return w.Worker.take_job(reader)
 
     def write(step: w.Step, number: int, crc_of: bytes | None = None) -> bytes:
         data = pickle.dumps(step)
@@ -363,24 +365,24 @@ def test_a_job_is_taken_only_once_all_its_bytes_are_there(monkeypatch):
         return data
 
     first = w.Step(1, 2, [], ([], []), ([0], [7]))
-    assert w.take_job(reader, mm, slots) is None  # nothing submitted
+    assert take() is None  # nothing submitted
     write(first, 1)
-    assert w.take_job(reader, mm, slots) == first and reader.seen == 1
-    assert w.take_job(reader, mm, slots) is None  # taken once
+    assert take() == first and reader.seen == 1
+    assert take() is None  # taken once
     second = w.Step(2, 3, [("forget", 7)], ([], []), ([], []))
     write(first, 2)  # number 2 visible, the bytes still job 1's
-    assert w.take_job(reader, mm, slots) is None and reader.seen == 1
+    assert take() is None and reader.seen == 1
     new = pickle.dumps(second)
     half = len(new) // 2  # half new, half what was there, with the new one's length and crc
     mm[w.HEADER:w.HEADER + half] = new[:half]
     w.write_slot(slots, w.JOB_LEN, len(new))
     w.write_slot(slots, w.JOB_CRC, zlib.crc32(new))
-    assert w.take_job(reader, mm, slots) is None
+    assert take() is None
     write(second, 2)  # all there now
-    assert w.take_job(reader, mm, slots) == second and reader.seen == 2
+    assert take() == second and reader.seen == 2
     write(first, 3)  # job 3 never becomes readable
-    assert w.take_job(reader, mm, slots) is None
+    assert take() is None
     monkeypatch.setattr(w, "UNREADABLE_S", 0.0)
     time.sleep(0.01)
     with pytest.raises(RuntimeError, match="job 3 in the shared memory stayed unreadable: it holds job 1"):
-        w.take_job(reader, mm, slots)
+        take()

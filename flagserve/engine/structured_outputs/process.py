@@ -84,7 +84,7 @@ class GrammarProcess:
         self.conn: Connection = parent
         self.slots = header_slots(self._mm)
         self.mask = shared_mask(self._mm, start.max_rows, start.vocab_size)
-        self._words, self.check_mask = (start.vocab_size + 31) // 32, start.check_mask
+        self.check_mask = start.check_mask
         self.max_rows = start.max_rows
         self._jobs = 0
         self._received = 0  # messages read from the pipe, against the SENT slot
@@ -128,7 +128,7 @@ class GrammarProcess:
     def _wait_mask(self, job: int, rows: int) -> None:
         """DONE was seen; on a weakly ordered CPU the rows may not all be visible yet."""
         deadline = time.perf_counter() + UNREADABLE_S
-        while mask_crc(self._mm, rows, self._words, job) != read_slot(self.slots, MASK_CRC):
+        while mask_crc(self.mask, rows, job) != read_slot(self.slots, MASK_CRC):
             if time.perf_counter() > deadline:
                 self.error = f"the mask of job {job} stayed unreadable (its checksum differs)"
                 raise GrammarProcessError(self.error)

@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 
 # The shared memory: a header of int64 slots, the job area, then the mask.
 # Header slots. The engine writes SUBMITTED, JOB_LEN, JOB_CRC (of the job's bytes) and WAITING
-# (the job it blocks on);
-# this process DONE (the last job finished), SENT (messages sent) and ASLEEP.
+# (the job it blocks on); this process DONE (the last job finished), SENT (messages sent),
+# ASLEEP and MASK_CRC (of the last job's mask, where Start.check_mask).
 DONE, SUBMITTED, JOB_LEN, SENT, ASLEEP, WAITING, JOB_CRC, MASK_CRC = range(8)
 HEADER = 64
 JOB_BYTES = 1 << 20  # a pickled Step; a larger one (long replays) goes over the pipe
@@ -43,7 +43,7 @@ POLL_S = 50e-6  # the shortest sleep between looks
 MAX_POLL_S = 1e-3
 POLLS_PER_STEP = 4
 ACTIVE_S = 0.5  # then block on the pipe: an idle server costs nothing
-UNREADABLE_S = 1.0  # a job's bytes not all visible after its number: an error after this
+UNREADABLE_S = 1.0  # a job's bytes (or its mask) not all visible after its number: an error after this
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Start(NamedTuple):
     vocab_size: int
     stop_token_ids: list[int]
     max_rows: int
-    check_mask: bool = False  # write MASK_CRC before DONE (see mask_checked())
+    check_mask: bool = False  # write MASK_CRC before DONE (see weakly_ordered())
 
 
 class Compile(NamedTuple):
@@ -107,15 +107,11 @@ def shared_mask(mm: mmap.mmap, max_rows: int, vocab_size: int) -> Any:
                             count=max_rows * words).view(max_rows, words)
 
 
-def mask_bytes(mm: mmap.mmap, rows: int, words: int) -> memoryview:
-    """The first `rows` rows of the shared mask, as bytes (no copy)."""
-    return memoryview(mm)[HEADER + JOB_BYTES:HEADER + JOB_BYTES + rows * words * 4]
-
-
-def mask_crc(mm: mmap.mmap, rows: int, words: int, job: int) -> int:
-    """The checksum of a job's mask, seeded with the job's number: a stale checksum read
-    beside stale rows (both the last job's) must not pass for this job's."""
-    return zlib.crc32(mask_bytes(mm, rows, words), job & 0xFFFFFFFF)
+def mask_crc(mask: Any, rows: int, job: int) -> int:
+    """The checksum of the first `rows` rows of the shared mask (read in place), seeded with
+    the job's number: a stale checksum read beside stale rows (both the last job's) must not
+    pass for this job's."""
+    return zlib.crc32(mask[:rows].numpy(), job & 0xFFFFFFFF)
 
 
 def weakly_ordered() -> bool:
@@ -156,7 +152,7 @@ class Worker:
         self.compiler = GrammarCompiler(load_tokenizer(start.tokenizer), start.vocab_size,
                                         start.stop_token_ids)
         self.mask = shared_mask(mm, start.max_rows, start.vocab_size)
-        self.words, self.check_mask = (start.vocab_size + 31) // 32, start.check_mask
+        self.check_mask = start.check_mask
         self.holds: dict[int, Any] = {}  # hold id -> Future of its CompiledGrammar
         self.matchers: dict[int, Any] = {}  # seq id -> xgrammar.GrammarMatcher
         # One thread: more competed with the engine's own for 2 cores (a 6x slower fill).
@@ -198,14 +194,41 @@ class Worker:
         if rejected:
             self.send(Rejected(rejected))  # before the counter: the engine reads it after
         if self.check_mask:
-            write_slot(self.slots, MASK_CRC, mask_crc(self.mm, job.num_rows, self.words, job.job))
+            write_slot(self.slots, MASK_CRC, mask_crc(self.mask, job.num_rows, job.job))
         write_slot(self.slots, DONE, job.job)
         if read_slot(self.slots, WAITING) == job.job:
             self.send(Done(job.job))
 
     def take_job(self) -> Step | None:
-        """The job the engine wrote into the shared memory, if there is a new one."""
-        return take_job(self, self.mm, self.slots)
+        """The job the engine wrote into the shared memory, if there is a new one.
+
+        The engine writes the job's bytes, then its number. x86 keeps stores in that order,
+        but a weakly ordered CPU (Arm: Grace, Graviton) may show the number before all the
+        bytes: a job whose checksum or number does not match is looked at again later, and
+        only one that stays unreadable for UNREADABLE_S is an error (the engine then fails its
+        requests). The checksum catches bytes half old and half new, which would unpickle.
+        (The way back, the mask's rows and then DONE, is checked where stores can be
+        reordered: weakly_ordered().)"""
+        job = read_slot(self.slots, SUBMITTED)
+        if job == self.seen:
+            return None
+        data = self.mm[HEADER:HEADER + read_slot(self.slots, JOB_LEN)]
+        problem = "its checksum does not match"
+        if zlib.crc32(data) == read_slot(self.slots, JOB_CRC):
+            try:
+                step = pickle.loads(data)
+                if step.job == job:
+                    self.seen, self.unreadable_since = job, None
+                    return step
+                problem = f"it holds job {step.job}"
+            except Exception as err:  # noqa: BLE001 - whatever a torn pickle raises: look again
+                problem = repr(err)
+        now = time.monotonic()
+        if self.unreadable_since is None:
+            self.unreadable_since = now
+        elif now - self.unreadable_since > UNREADABLE_S:
+            raise RuntimeError(f"job {job} in the shared memory stayed unreadable: {problem}")
+        return None
 
     def _apply(self, op: tuple) -> int | None:
         """One matcher change; the seq id when a replayed token is outside the grammar."""
@@ -224,37 +247,6 @@ class Worker:
         elif op[0] == "unhold":
             self.holds.pop(op[1], None)
         return None
-
-
-def take_job(reader: Any, mm: mmap.mmap, slots: memoryview) -> Step | None:
-    """The new job in the shared memory, if there is one; `reader.seen` is the last taken.
-
-    The engine writes the job's bytes, then its number. x86 keeps stores in that order, but a
-    weakly ordered CPU (Arm: Grace, Graviton) may show the number before all the bytes: a job
-    whose checksum or number does not match is looked at again later, and only one
-    that stays unreadable for UNREADABLE_S is an error (the engine then fails its requests).
-    The checksum catches bytes half old and half new, which would unpickle. (The way back, the
-    mask's rows and then DONE, is checked where stores can be reordered: weakly_ordered().)"""
-    job = read_slot(slots, SUBMITTED)
-    if job == reader.seen:
-        return None
-    data = mm[HEADER:HEADER + read_slot(slots, JOB_LEN)]
-    problem = "its checksum does not match"
-    if zlib.crc32(data) == read_slot(slots, JOB_CRC):
-        try:
-            step = pickle.loads(data)
-            if step.job == job:
-                reader.seen, reader.unreadable_since = job, None
-                return step
-            problem = f"it holds job {step.job}"
-        except Exception as err:  # noqa: BLE001 - whatever a torn pickle raises: look again
-            problem = repr(err)
-    now = time.monotonic()
-    if reader.unreadable_since is None:
-        reader.unreadable_since = now
-    elif now - reader.unreadable_since > UNREADABLE_S:
-        raise RuntimeError(f"job {job} in the shared memory stayed unreadable: {problem}")
-    return None
 
 
 def serve(conn: Connection, worker: Worker) -> None:
