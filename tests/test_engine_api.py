@@ -55,6 +55,22 @@ def test_delta_outputs_concatenate_to_the_final_text(engine):
     assert "".join(pieces) == expected.text and tokens == expected.token_ids
 
 
+def test_final_only_is_one_output_equal_to_the_last_cumulative_one(engine):
+    """FINAL_ONLY requests get no output until all their samples end (the step skips them):
+    exactly one, the same as the cumulative request's last, also when the samples end apart."""
+    def run(kind: RequestOutputKind, stop_ids: list[int]) -> list:
+        engine.add_request(str(kind), "Old computers", SamplingParams(
+            n=3, seed=7, temperature=1.0, max_tokens=12, stop_token_ids=stop_ids, output_kind=kind))
+        return drain(engine)
+
+    first = run(RequestOutputKind.CUMULATIVE, [])[-1].outputs[0].token_ids
+    stop = [first[2]]  # the first sample ends by its third token, the others (likely) later
+    cumulative = run(RequestOutputKind.CUMULATIVE, stop)
+    [final] = run(RequestOutputKind.FINAL_ONLY, stop)
+    assert final.finished and final.outputs == cumulative[-1].outputs
+    assert len({len(c.token_ids) for c in final.outputs}) > 1  # the samples did end apart
+
+
 @pytest.mark.parametrize("prompt,message", [
     ([], "empty"),
     ("word " * 400, "max_model_len"),

@@ -60,7 +60,7 @@ def test_block_manager_refcounts_and_eviction():
         hits = bm.match_prefix(seq)
         assert bm.can_admit(hits, seq.num_tokens - len(hits) * 4)
         bm.admit(seq, hits)
-        bm.append_slots(seq, seq.num_tokens - seq.num_computed_tokens)
+        assert bm.append_slots(seq, seq.num_tokens - seq.num_computed_tokens)
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
     assert [bm.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
     assert bm.num_free_blocks == 6 - 4
@@ -73,7 +73,7 @@ def test_block_manager_refcounts_and_eviction():
     # Once every block has been reallocated the old prefix is gone.
     d = make_seq(list(range(100, 124)))
     bm.admit(d, [])
-    bm.append_slots(d, 24)
+    assert bm.append_slots(d, 24)
     assert bm.match_prefix(c) == []
     assert bm.usage() == 1.0
 
@@ -82,7 +82,7 @@ def test_prefix_cache_off_counts_nothing():
     bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
     seq = make_seq(list(range(9)))
     bm.admit(seq, bm.match_prefix(seq))
-    bm.append_slots(seq, 9)
+    assert bm.append_slots(seq, 9)
     bm.free_sequence(seq)
     assert bm.match_prefix(make_seq(list(range(9)))) == []
     assert bm.prefix_cache_queries == bm.prefix_cache_hits == 0

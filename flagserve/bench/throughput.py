@@ -25,6 +25,7 @@ from typing import get_args
 import torch
 
 from flagserve.bench.throughput_latency import decode_latency, profile_decode
+from flagserve.bench.throughput_phases import PhaseTimer, phase_table
 from flagserve.bench.throughput_roofline import (
     floor_seconds,
     kv_bytes,
@@ -66,16 +67,24 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
     llm.generate(work.prompts[:4], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
     before = llm.llm_engine.get_stats()
+    timer = PhaseTimer(llm.llm_engine) if getattr(args, "phases", False) else None
     start = time.perf_counter()
-    outs = llm.generate(work.prompts, params, use_tqdm=False)
+    if timer is None:
+        outs = llm.generate(work.prompts, params, use_tqdm=False)
+    else:
+        with timer:
+            outs = llm.generate(work.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     stats = llm.llm_engine.get_stats()
     assert sum(len(o.outputs[0].token_ids) for o in outs) == work.output_tokens
     step = stats.step_seconds - before.step_seconds
     forward = stats.forward_seconds - before.forward_seconds
-    return elapsed, {"steps": stats.num_steps - before.num_steps, "step_seconds": step,
-                     "forward_seconds": forward, "outside_forward_share": 1 - forward / step,
-                     "preemptions": stats.num_preemptions}
+    result = {"steps": stats.num_steps - before.num_steps, "step_seconds": step,
+              "forward_seconds": forward, "outside_forward_share": 1 - forward / step,
+              "preemptions": stats.num_preemptions}
+    if timer is not None:
+        result["phases_us_per_token"] = dict(phase_table(timer.totals, step, forward, work.output_tokens))
+    return elapsed, result
 
 
 def run_hf(model: str, work: Workload, args: argparse.Namespace) -> float:
@@ -153,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "--output-len MAX tokens, ms per token")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="with --latency: also print a torch profile of STEPS decode steps")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time each phase of the engine step (host work per output token)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -175,6 +186,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.num_layers is not None and (args.shape is None or args.num_layers < 1):
         parser.error("--num-layers takes a positive count and needs --shape")
+    if args.phases and args.latency:
+        parser.error("--phases times the throughput run; leave out --latency")
     if args.profile and not (args.latency and args.profile > 0):
         parser.error("--profile takes a positive number of steps and needs --latency")
     for name in ("input_len", "output_len"):
@@ -258,6 +271,10 @@ def report(args: argparse.Namespace, result: dict) -> None:
         print(f"FlagServe          {result['flagserve_seconds']:8.2f} s  "
               f"{result['flagserve_output_tps']:9.1f} output tok/s  ({result['steps']} steps, "
               f"{result['outside_forward_share']:.1%} of step time outside the model forward)")
+        if "phases_us_per_token" in result:
+            print("step phases, us per output token:")
+            for label, us in result["phases_us_per_token"].items():
+                print(f"  {label:24s} {us:8.2f}")
         if "hf_seconds" in result:
             print(f"HF generate        {result['hf_seconds']:8.2f} s  "
                   f"{result['hf_output_tps']:9.1f} output tok/s")

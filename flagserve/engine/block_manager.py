@@ -105,19 +105,21 @@ class BlockManager:
 
     # Growth of a scheduled sequence
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self._blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return needed <= len(self.free)
-
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Give seq room for num_new_tokens more tokens and register blocks they fill."""
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give seq room for num_new_tokens more tokens and register blocks they fill; False,
+        changing nothing, when the free blocks cannot hold them."""
         end = seq.num_computed_tokens + num_new_tokens
-        while len(seq.block_table) < self._blocks_needed(end):
-            seq.block_table.append(self._allocate())
-        if self.enable_prefix_caching:
+        table = seq.block_table
+        needed = (end + self.block_size - 1) // self.block_size - len(table)
+        if needed > 0:  # most decode steps: the last block has room
+            if needed > len(self.free):
+                return False
+            table.extend(self._allocate() for _ in range(needed))
+        if self.enable_prefix_caching and end // self.block_size > seq.num_hashed_blocks:
             # Registering before the step runs lets another sequence in the same step share
             # these blocks: every token's K/V is stored before any attention reads the cache.
             self._register_full_blocks(seq, end // self.block_size)
+        return True
 
     def _allocate(self) -> int:
         block_id, _ = self.free.popitem(last=False)

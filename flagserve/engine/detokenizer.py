@@ -15,6 +15,7 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first outputs, for co
 
 # tokenizer -> skip_special_tokens -> token id -> its text alone (byte-level tokenizers only)
 _pieces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_UNSEEN = object()  # a token not yet in the cache of single-token texts
 
 
 def _plain_backend(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -67,7 +68,9 @@ class IncrementalDetokenizer:
     def append(self, token_ids: list[int]) -> str:
         """token_ids: the whole sequence, its newest token last. Returns the new text. Two
         decodes of a window, or one dictionary lookup where the token's own text is exact."""
-        delta = self._piece(token_ids) if self._whole else None
+        delta = None
+        if self._whole and self.read_offset == len(token_ids) - 1:
+            delta = self._piece(token_ids[-1])
         if delta is None:
             prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
             full = self._decode(token_ids[self.prefix_offset:])
@@ -79,16 +82,15 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
-    def _piece(self, token_ids: list[int]) -> str | None:
-        """The newest token's own text where that is exactly what it appends (the one token
-        after a whole character, itself whole characters); None: decode the window."""
-        if self.read_offset != len(token_ids) - 1:
-            return None
-        token = token_ids[-1]
-        piece = self._pieces.get(token)
-        if piece is None:
-            piece = self._pieces[token] = self._decode([token])
-        return piece if piece and "\ufffd" not in piece else None
+    def _piece(self, token: int) -> str | None:
+        """The token's own text where that is exactly what it appends (it follows a whole
+        character and is itself whole characters); None: decode the window."""
+        piece = self._pieces.get(token, _UNSEEN)
+        if piece is _UNSEEN:
+            piece = self._decode([token])
+            # Cached as None where the token's bytes are not whole characters by themselves.
+            piece = self._pieces[token] = piece if piece and "\ufffd" not in piece else None
+        return piece
 
 
 def find_stop_string(text: str, delta_len: int, stops: list[str]) -> tuple[str, int] | None:

@@ -92,8 +92,9 @@ class StepBuffers:
         num_new = np.asarray(step.num_new_tokens, dtype=np.int64)
         n = len(num_new)
         rows = pad_to or n  # sequences; padded steps are decode-only: one token per sequence
-        width = self.max_blocks if pad_to else max(map(len, step.block_tables))
-        tables = self._fill_tables(step.block_tables, rows, width)
+        lens = list(map(len, step.block_tables))
+        width = self.max_blocks if pad_to else max(lens)
+        tables = self._fill_tables(step.block_tables, lens, rows, width)
         self._fill_tokens(step, num_new, tables, pad_to or step.num_tokens)
         self.host["seq_lens"][n:rows] = 1
         num_decodes = pad_to or int(np.count_nonzero(num_new == 1))  # decodes come first
@@ -107,14 +108,14 @@ class StepBuffers:
         self._upload(used)
         return self._batch(used, num_decodes, width, step.num_tokens, bool(pad_to))
 
-    def _fill_tables(self, tables: list[list[int]], rows: int, width: int) -> np.ndarray:
+    def _fill_tables(self, tables: list[list[int]], lens: list[int], rows: int, width: int) -> np.ndarray:
         """[rows, width] block tables, zero past each sequence's blocks and in padded rows."""
         out = self.host["block_tables"][:rows * width].reshape(rows, width)
-        lens = np.zeros(rows, dtype=np.int64)
-        lens[:len(tables)] = [len(t) for t in tables]
+        row_lens = np.zeros(rows, dtype=np.int64)
+        row_lens[:len(lens)] = lens
         out[:] = 0
-        out[np.arange(width) < lens[:, None]] = np.fromiter(
-            chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+        out[np.arange(width) < row_lens[:, None]] = np.fromiter(
+            chain.from_iterable(tables), dtype=np.int32, count=sum(lens))
         return out
 
     def _fill_tokens(self, step: StepInput, num_new: np.ndarray, tables: np.ndarray,

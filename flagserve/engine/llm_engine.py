@@ -21,7 +21,7 @@ from flagserve.engine.scheduler import Scheduler, SchedulerConfig
 from flagserve.engine.sequence import Sequence, SequenceStatus
 from flagserve.engine.stats import EngineStats
 from flagserve.engine.step_input import StepInputBuilder
-from flagserve.engine.structured_outputs.matchers import StructuredOutputs
+from flagserve.engine.structured_outputs.matchers import Advance, StructuredOutputs
 from flagserve.layers.sampler import SamplerOutput
 from flagserve.models.config import load_model_config
 from flagserve.models.tokenizer import load_tokenizer
@@ -29,6 +29,7 @@ from flagserve.models.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # an idle engine waits this long for a grammar before the loop looks again
 KV_WAIT_S = 0.05  # likewise for a KV transfer, when transfers are all it has
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -211,7 +212,7 @@ class LLMEngine:
                 self.kv_transport.wait(KV_WAIT_S)
             return self._outputs(failed)
         now = time.time()
-        for seq in batch.seqs:
+        for seq in batch.admitted:  # the others were scheduled before
             state = self.requests[seq.request_id]
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
@@ -254,25 +255,36 @@ class LLMEngine:
         for seq, token in zip(seqs, out.token_ids):
             seq.token_ids.append(token)
         grammars = self.structured.advance_all(seqs)
+        self._generation_tokens += len(seqs)
+        handoffs = self.kv_exports is not None  # they look at every request they may park
         for row, (seq, token, grammar) in enumerate(zip(seqs, out.token_ids, grammars)):
             if seq.params.logprobs is not None:
                 self._record_logprobs(seq, row, out)
             state = self.requests[seq.request_id]
-            state.metrics.first_token_time = state.metrics.first_token_time or now
-            state.metrics.last_token_time = now
-            self._generation_tokens += 1
+            metrics = state.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
             self.check_stop(seq, state.detokenizers[seq.index], token)
-            if grammar == "rejected":  # the mask allowed only grammar tokens: a bug, not the model
-                logger.error("request %s: token %d is outside its grammar", seq.request_id, token)
-                seq.finish_reason = FinishReason.ABORT
-            elif grammar == "terminated" and seq.finish_reason is None:
-                seq.finish_reason = FinishReason.STOP  # complete (ignore_eos, or a stop token id)
+            if grammar is not None:
+                self._grammar_verdict(seq, token, grammar)
             if seq.finish_reason is not None:
                 self.finish_sequence(seq)
-            elif self.kv_exports is not None and self.kv_exports.wants(seq):
+            elif handoffs and self.kv_exports.wants(seq):
                 self.kv_exports.park(seq)  # its first token: the decode engine goes on
-            touched[seq.request_id] = None
-        return self.kv_exports.hand_off(list(touched)) if self.kv_exports else list(touched)
+            # A request that wants only its final output has none until it finishes: building
+            # and dropping one per token was most of offline generate's output cost.
+            if handoffs or seq.finish_reason is not None or state.params.output_kind != FINAL_ONLY:
+                touched[seq.request_id] = None
+        return self.kv_exports.hand_off(list(touched)) if handoffs else list(touched)
+
+    @staticmethod
+    def _grammar_verdict(seq: Sequence, token: int, grammar: Advance) -> None:
+        if grammar == "rejected":  # the mask allowed only grammar tokens: a bug, not the model
+            logger.error("request %s: token %d is outside its grammar", seq.request_id, token)
+            seq.finish_reason = FinishReason.ABORT
+        elif grammar == "terminated" and seq.finish_reason is None:
+            seq.finish_reason = FinishReason.STOP  # complete (ignore_eos, or a stop token id)
 
     def _record_logprobs(self, seq: Sequence, row: int, out: SamplerOutput) -> None:
         token = out.token_ids[row]
@@ -288,7 +300,9 @@ class LLMEngine:
 
     def check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> None:
         p = seq.params
-        may_stop = seq.num_output_tokens >= p.min_tokens
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        may_stop = num_output >= p.min_tokens
         if may_stop and not p.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = FinishReason.STOP  # the EOS token's text is not part of the output
         elif may_stop and token in p.stop_token_ids:
@@ -302,8 +316,8 @@ class LLMEngine:
                     detok.text = detok.text[:idx + (len(stop) if p.include_stop_str_in_output else 0)]
                     seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
                     return
-            if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) \
-                    or seq.num_tokens >= self.max_model_len:
+            if (p.max_tokens is not None and num_output >= p.max_tokens) \
+                    or num_tokens >= self.max_model_len:
                 seq.finish_reason = FinishReason.LENGTH
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:

@@ -24,6 +24,7 @@ class ScheduledBatch:
     """Sequences and their new-token counts, decodes (one new token) first."""
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    admitted: list[Sequence]  # of seqs, those taken from the waiting queue this step
 
     @property
     def num_tokens(self) -> int:
@@ -43,21 +44,25 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[Sequence, int] = {}
+        decodes: list[Sequence] = []  # one new token each; they lead the batch
+        chunks: dict[Sequence, int] = {}
+        admitted: list[Sequence] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_append(seq, num_new):
+            while not self.block_manager.append_slots(seq, num_new):
                 victim = self.running.pop()  # the newest; never one already scheduled
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slots(seq, num_new)
-                scheduled[seq] = num_new
+                if num_new == 1:
+                    decodes.append(seq)
+                else:
+                    chunks[seq] = num_new
                 budget -= num_new
                 i += 1
                 continue
@@ -76,14 +81,18 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.block_manager.admit(seq, hits)
-            self.block_manager.append_slots(seq, num_new)
+            self.block_manager.append_slots(seq, num_new)  # can_admit counted its blocks
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled[seq] = num_new
+            admitted.append(seq)
+            if num_new == 1:
+                decodes.append(seq)
+            else:
+                chunks[seq] = num_new
             budget -= num_new
 
-        order = sorted(scheduled, key=lambda s: scheduled[s] != 1)  # stable: decodes first
-        return ScheduledBatch(order, [scheduled[s] for s in order])
+        return ScheduledBatch(decodes + list(chunks), [1] * len(decodes) + list(chunks.values()),
+                              admitted)
 
     def queued_prompt_tokens(self) -> int:
         """Tokens still to prefill: waiting sequences whole, running ones' unfinished chunks

@@ -68,36 +68,39 @@ class StepInputBuilder:
     """Engine side: turns a ScheduledBatch into a StepInput, remembering what runners know."""
 
     def __init__(self) -> None:
-        self._known: set[int] = set()
+        self._known: dict[int, bool] = {}  # seq_id -> whether it has penalties
         self._finished: list[int] = []
 
     def build(self, batch: ScheduledBatch) -> StepInput:
         step = StepInput([], [], [], [], [], [], [], None, [], self._finished)
         self._finished = []
+        known, token_ids, sample_indices = self._known, step.token_ids, step.sample_indices
         penalties = False
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.seq_id not in self._known:
-                self._known.add(seq.seq_id)
+            penalized = known.get(seq.seq_id)
+            if penalized is None:
+                penalized = known[seq.seq_id] = seq.params.has_penalties
                 step.new_seqs.append(NewSeq(seq.seq_id, seq.params, seq.seed,
-                                            seq.token_ids[:seq.num_prompt_tokens]
-                                            if seq.params.has_penalties else None,
+                                            seq.token_ids[:seq.num_prompt_tokens] if penalized else None,
                                             seq.generator_state))
             start = seq.num_computed_tokens
             step.seq_ids.append(seq.seq_id)
-            step.num_new_tokens.append(n)
             step.start_positions.append(start)
             step.block_tables.append(seq.block_table)
-            step.token_ids.extend(seq.token_ids[start:start + n])
-            if start + n == seq.num_tokens:
-                step.sample_indices.append(i)
-                step.num_output_tokens.append(seq.num_output_tokens)
-                penalties = penalties or seq.params.has_penalties
+            if start + n == len(seq.token_ids):  # the chunk reaches its last token: it samples
+                sample_indices.append(i)
+                step.num_output_tokens.append(start + n - seq.num_prompt_tokens)
+                penalties = penalties or penalized
+            if n == 1:
+                token_ids.append(seq.token_ids[start])
+            else:
+                token_ids.extend(seq.token_ids[start:start + n])
+        step.num_new_tokens.extend(batch.num_new_tokens)
         if penalties:
-            step.output_token_ids = [batch.seqs[i].output_token_ids for i in step.sample_indices]
+            step.output_token_ids = [batch.seqs[i].output_token_ids for i in sample_indices]
         return step
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was aborted: runners may forget it with the next step."""
-        if seq.seq_id in self._known:
-            self._known.remove(seq.seq_id)
+        if self._known.pop(seq.seq_id, None) is not None:
             self._finished.append(seq.seq_id)

@@ -21,6 +21,7 @@ QUICK = ["--shape", "qwen3-0.6b", "--num-layers", "1", "--bandwidth-gbs", "10"]
     (["--input-len", "9", "3"], "MIN <= MAX"),
     (["--profile", "4"], "needs --latency"),
     (["--latency", "--profile", "-2"], "positive"),
+    (["--latency", "--phases"], "leave out --latency"),
 ])
 def test_bad_arguments(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -75,6 +76,47 @@ def test_latency_profile(capsys):
     out = capsys.readouterr().out
     assert "profile of 3 decode steps" in out and "Self CPU" in out
     assert "aten::" in result["profile"] or "flagserve" in result["profile"]  # the ops are named
+
+
+def test_phases_split_the_step_time(capsys):
+    """--phases: every timed phase is counted, once."""
+    from flagserve.bench import throughput_phases
+
+    result = main(QUICK + ["--num-seqs", "3", "--input-len", "4", "9", "--output-len", "2", "5",
+                           "--phases"])
+    phases = result["phases_us_per_token"]
+    labels = [label for label, _, _ in throughput_phases.PHASES]
+    assert list(phases) == labels + ["model forward + logits", "rest of the step"]
+    assert all(phases[label] > 0 for label in ("schedule", "step message", "input buffers", "samples"))
+    step_us = result["step_seconds"] / result["output_tokens"] * 1e6
+    assert sum(phases.values()) == pytest.approx(step_us)
+    assert phases["rest of the step"] >= 0  # the phases do not overlap (nor nest)
+    assert "step phases, us per output token" in capsys.readouterr().out
+
+
+def test_phase_timer_restores_what_it_wrapped():
+    from types import SimpleNamespace
+
+    from flagserve.bench.throughput_phases import PHASES, PhaseTimer
+
+    def part(path: str, name: str) -> SimpleNamespace:
+        return SimpleNamespace(**{name: lambda: f"{path}.{name}"})
+
+    runner = SimpleNamespace(prepare=lambda: "prepare", sampling_batch=lambda: "batch",
+                             sampler=part("sampler", "forward"))
+    engine = SimpleNamespace(scheduler=part("scheduler", "schedule"),
+                             step_inputs=part("step_inputs", "build"),
+                             structured=part("structured", "bitmask"),
+                             executor=SimpleNamespace(runner=runner),
+                             _process_samples=lambda: "samples", _outputs=lambda: "outputs")
+    before = dict(vars(engine)), dict(vars(runner))
+    with PhaseTimer(engine) as timer:
+        assert engine.scheduler.schedule() == "scheduler.schedule"
+        assert engine.executor.runner.sampler.forward() == "sampler.forward"
+    assert timer.totals["schedule"] > 0 and timer.totals["sampler"] > 0 and timer.totals["outputs"] == 0
+    assert len(timer.totals) == len(PHASES)
+    assert (dict(vars(engine)), dict(vars(runner))) == before
+    assert engine.scheduler.schedule.__name__ == "<lambda>"  # unwrapped
 
 
 def test_load_format_is_checked():
