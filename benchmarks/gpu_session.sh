@@ -50,6 +50,6 @@ case "$1" in
     run latency_llama3_8b 90 "$py" benchmarks/throughput.py --shape llama3-8b --latency \
       --input-len 128 128 --output-len 256 256 --dtype bfloat16
     run nanovllm_qwen3 150 "$py" benchmarks/throughput.py --shape qwen3-0.6b --num-seqs 256 \
-      --input-len 100 1024 --output-len 100 1024 --dtype bfloat16
+      --input-len 100 1024 --output-len 100 1024 --dtype bfloat16 --phases
     ;;
 esac

@@ -82,6 +82,26 @@ def test_single_token_texts_give_the_window_decodes_deltas(tokenizer, skip_speci
     assert piece_cache(tokenizer, skip_special_tokens)  # the cached path ran
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_deferred_text_is_the_token_by_token_text(tokenizer, skip_special_tokens):
+    """A deferred detokenizer decodes once at the end (flush) to the same text as the deltas,
+    also where the output ends inside a character (the deltas hold part of it back) and when
+    the last tokens were never appended (an EOS)."""
+    text = "caf\u00e9 \u4f60\u597d, na\u00efve \U0001f600 r\u00e9sum\u00e9 " * 3
+    for prompt, out in trials(tokenizer, 3, 40, text):
+        each = IncrementalDetokenizer.for_prompt(tokenizer, len(prompt), skip_special_tokens)
+        once = IncrementalDetokenizer.for_prompt(tokenizer, len(prompt), skip_special_tokens, deferred=True)
+        ids = list(prompt)
+        for token in out:
+            ids.append(token)
+            each.append(ids)
+            assert once.append(ids) == "" and once.text == ""
+        once.flush(ids + [0, 0])  # tokens after the last append are not its
+        assert once.text == each.text, (prompt, out)
+        once.flush(ids)  # nothing new: no change
+        assert once.text == each.text
+
+
 def test_find_stop_string_earliest_match_ending_in_the_delta():
     assert find_stop_string("abcSTOPdef", 3, ["STOP"]) is None  # ended before the delta
     assert find_stop_string("abcSTOPdef", 5, ["STOP", "def"]) == ("STOP", 3)

@@ -51,6 +51,10 @@ class IncrementalDetokenizer:
     prefix_offset: int
     read_offset: int
     text: str = ""
+    # Deferred: append() only counts the tokens and flush() decodes them at once, for a
+    # request that reads its text only at the end (FINAL_ONLY, no stop strings).
+    deferred: bool = False
+    _seen: int = field(default=0, init=False, repr=False)  # tokens deferred up to here
     _decode: Callable[[list[int]], str] = field(init=False, repr=False)
     _pieces: dict[int, str] | None = field(init=False, repr=False)
     _whole: bool = field(default=False, init=False, repr=False)  # the text ends on a whole character
@@ -61,13 +65,16 @@ class IncrementalDetokenizer:
 
     @classmethod
     def for_prompt(cls, tokenizer: PreTrainedTokenizerBase, num_prompt_tokens: int,
-                   skip_special_tokens: bool) -> "IncrementalDetokenizer":
+                   skip_special_tokens: bool, deferred: bool = False) -> "IncrementalDetokenizer":
         return cls(tokenizer, skip_special_tokens,
-                   max(num_prompt_tokens - CONTEXT_TOKENS, 0), num_prompt_tokens)
+                   max(num_prompt_tokens - CONTEXT_TOKENS, 0), num_prompt_tokens, deferred=deferred)
 
     def append(self, token_ids: list[int]) -> str:
         """token_ids: the whole sequence, its newest token last. Returns the new text. Two
         decodes of a window, or one dictionary lookup where the token's own text is exact."""
+        if self.deferred:
+            self._seen = len(token_ids)
+            return ""
         delta = None
         if self._whole and self.read_offset == len(token_ids) - 1:
             delta = self._piece(token_ids[-1])
@@ -81,6 +88,25 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
         self.text += delta
         return delta
+
+    def flush(self, token_ids: list[int]) -> None:
+        """A deferred detokenizer's text of every token appended so far (token_ids: the whole
+        sequence, maybe longer), exactly as appending them one by one leaves it."""
+        seen, ids = self._seen, token_ids[:self._seen]
+        if seen <= self.read_offset:
+            return
+        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
+        full = self._decode(ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]  # the deltas one by one add up to this
+            self.prefix_offset, self.read_offset = self.read_offset, seen
+            return
+        # An incomplete character at the end: how much text the token-by-token deltas held
+        # back depends on where they stopped, so take them one by one (rare).
+        self.deferred = False
+        for end in range(self.read_offset + 1, seen + 1):
+            self.append(ids[:end])
+        self.deferred, self._seen = True, seen
 
     def _piece(self, token: int) -> str | None:
         """The token's own text where that is exactly what it appends (it follows a whole

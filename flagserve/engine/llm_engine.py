@@ -130,8 +130,10 @@ class LLMEngine:
 
     def new_request_state(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                    seqs: list[Sequence], metrics: RequestMetrics) -> RequestState:
-        detoks = [IncrementalDetokenizer.for_prompt(self.tokenizer, len(ids), params.skip_special_tokens)
-                  for _ in seqs]
+        # Text read only at the end and no stop strings to find in it: decoded once, then.
+        deferred = params.output_kind == FINAL_ONLY and not params.stop_list
+        detoks = [IncrementalDetokenizer.for_prompt(self.tokenizer, len(ids), params.skip_special_tokens,
+                                                    deferred) for _ in seqs]
         state = RequestState(request_id, text, ids, params, seqs, detoks, metrics,
                              [0] * len(seqs), [0] * len(seqs))
         self.requests[request_id] = state
@@ -332,6 +334,8 @@ class LLMEngine:
         # Hold back text that may turn out to be the start of a stop string.
         hold = max(map(len, stops)) - 1 if stops else 0
         for seq, detok in zip(state.seqs, state.detokenizers):
+            if detok.deferred:
+                detok.flush(seq.token_ids)
             text, tokens, logprobs = detok.text, seq.output_token_ids, seq.logprobs
             if hold and not seq.is_finished:
                 text = text[:max(len(text) - hold, state.sent_text[seq.index])]
