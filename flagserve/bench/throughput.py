@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: the model's; with --shape, the longest request")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="prepare each step while the device runs the one before")
     parser.add_argument("--bandwidth-gbs", type=float,
                         help="memory bandwidth of the roofline (default: measured by a device copy)")
     parser.add_argument("--hf-batch-size", type=int, default=0,
@@ -202,7 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def prepare_model(args: argparse.Namespace, tmp: str) -> tuple[str, dict]:
     """(model path, the engine args it needs) for --model, --shape or the random tiny model."""
-    extra = {"enforce_eager": args.enforce_eager, "max_model_len": args.max_model_len}
+    extra = {"enforce_eager": args.enforce_eager, "max_model_len": args.max_model_len,
+             "async_scheduling": args.async_scheduling}
     if args.shape:
         return write_shape(args.shape, tmp, args.num_layers), {**extra, "load_format": "dummy"}
     if args.model:

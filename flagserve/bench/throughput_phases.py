@@ -17,7 +17,7 @@ PHASES = (
     ("grammar mask", "structured", "bitmask"),
     ("input buffers", "executor.runner", "prepare"),
     ("sampling inputs", "executor.runner", "sampling_batch"),
-    ("sampler", "executor.runner.sampler", "forward"),
+    ("sampler", "executor.runner.sampler", "sample"),
     ("samples", "", "_process_samples"),
     ("outputs", "", "_outputs"),
 )

@@ -115,10 +115,13 @@ class BlockManager:
             if needed > len(self.free):
                 return False
             table.extend(self._allocate() for _ in range(needed))
-        if self.enable_prefix_caching and end // self.block_size > seq.num_hashed_blocks:
+        # Blocks full of known tokens: a token still pending (async scheduling) is hashed a
+        # step later, with the block it completes.
+        full = min(end, len(seq.token_ids)) // self.block_size
+        if self.enable_prefix_caching and full > seq.num_hashed_blocks:
             # Registering before the step runs lets another sequence in the same step share
             # these blocks: every token's K/V is stored before any attention reads the cache.
-            self._register_full_blocks(seq, end // self.block_size)
+            self._register_full_blocks(seq, full)
         return True
 
     def _allocate(self) -> int:

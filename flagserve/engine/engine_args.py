@@ -38,6 +38,11 @@ class EngineArgs:
     # True: plain eager forward. False: CUDA graphs for decode on CUDA, the compiled decoder
     # on CPU (vLLM's flag of the same name; FlagScale configs carry it).
     enforce_eager: bool = False
+    # Overlap (vLLM's flag of the same name): schedule and prepare step N+1 while the device
+    # runs step N, the decode inputs taken from step N's samples where they are, on the device.
+    # In-process engines only (TP = PP = 1, no KV transfer); steps with grammars or penalties,
+    # which need every token on the host first, run one at a time.
+    async_scheduling: bool = False
     # Shards: TP x PP worker processes (Ray actors) instead of the model in this process.
     tensor_parallel_size: int = 1  # splits heads, MLP columns and vocabulary within a stage
     pipeline_parallel_size: int = 1  # splits the layers into consecutive stages
@@ -73,8 +78,9 @@ class EngineArgs:
               f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         check(self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space_gib",
               f"must be > 0, got {self.cpu_kv_cache_space_gib!r}")
-        check(isinstance(self.enforce_eager, bool), "enforce_eager",
-              f"must be true or false, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "async_scheduling"):
+            check(isinstance(getattr(self, name), bool), name,
+                  f"must be true or false, got {getattr(self, name)!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
@@ -85,6 +91,10 @@ class EngineArgs:
                                 and len(hosts) == self.pipeline_parallel_size), "placement_hosts",
               f"must be None or one host address per pipeline stage "
               f"({self.pipeline_parallel_size}), got {hosts!r}")
+
+        check(not self.async_scheduling or (self.world_size == 1 and self.kv_transfer is None),
+              "async_scheduling", "needs the engine in one process: tensor_parallel_size = "
+              "pipeline_parallel_size = 1 and no kv_transfer; set it false for this layout")
 
     @property
     def world_size(self) -> int:

@@ -12,7 +12,7 @@ from typing import Protocol
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.model_runner import ModelRunner
 from flagserve.engine.step_input import StepInput
-from flagserve.layers.sampler import SamplerOutput
+from flagserve.layers.sampler import DeviceSamples, SamplerOutput
 from flagserve.models.config import ModelConfig
 
 
@@ -20,6 +20,8 @@ class Executor(Protocol):
     num_kv_blocks: int
 
     def execute(self, step: StepInput) -> SamplerOutput | None: ...
+
+    # Async scheduling (EngineArgs allows it in-process only): launch(step) -> DeviceSamples
 
     @property
     def forward_seconds(self) -> float: ...  # model time of the sampling shard, for stats
@@ -50,6 +52,10 @@ class InProcessExecutor:
 
     def execute(self, step: StepInput) -> SamplerOutput | None:
         return self.runner.execute(step)
+
+    def launch(self, step: StepInput) -> DeviceSamples | None:
+        """Async scheduling: the step queued on the device, its samples to come (host())."""
+        return self.runner.execute(step, defer=True)
 
     @property
     def forward_seconds(self) -> float:

@@ -42,6 +42,13 @@ class PreparedBatch:
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
     num_tokens: int  # the step's real tokens: rows past them are padding
     padded: bool  # decode rows padded to a bucket (maybe by none): the graph-shaped path
+    pending_positions: torch.Tensor | None = None  # input_ids rows to take from the last samples
+    pending_rows: torch.Tensor | None = None  # ... and which of those samples
+
+    def take_pending(self, samples: torch.Tensor) -> None:
+        """Input tokens sampled by the step before, copied on the device (async scheduling)."""
+        if self.pending_positions is not None:
+            self.input_ids[self.pending_positions] = samples[self.pending_rows].to(self.input_ids.dtype)
 
     @property
     def num_rows(self) -> int:
@@ -57,6 +64,8 @@ FIELDS = {
     "seq_lens": (torch.int32, "seqs"),
     "cu_seqlens_q": (torch.int32, "seqs+1"),
     "block_tables": (torch.int32, "table"),  # flat: a step views its prefix as [rows, width]
+    "pending_positions": (torch.long, "seqs"),  # async scheduling: StepInput's fields of the name
+    "pending_rows": (torch.long, "seqs"),
 }
 
 
@@ -104,7 +113,10 @@ class StepBuffers:
         cu[1:num_prefills + 1] = np.cumsum(num_new[n - num_prefills:])
         k = len(step.sample_indices)
         self.host["logits_indices"][:k] = np.cumsum(num_new)[step.sample_indices] - 1
-        used = self._used(pad_to or step.num_tokens, rows, width, num_prefills, k)
+        pending = len(step.pending_positions)
+        self.host["pending_positions"][:pending] = step.pending_positions
+        self.host["pending_rows"][:pending] = step.pending_rows
+        used = self._used(pad_to or step.num_tokens, rows, width, num_prefills, k, pending)
         self._upload(used)
         return self._batch(used, num_decodes, width, step.num_tokens, bool(pad_to))
 
@@ -134,17 +146,19 @@ class StepBuffers:
         h["seq_lens"][:len(num_new)] = starts + num_new
 
     @staticmethod
-    def _used(tokens: int, rows: int, width: int, num_prefills: int, logits: int) -> dict[str, int]:
+    def _used(tokens: int, rows: int, width: int, num_prefills: int, logits: int,
+              pending: int = 0) -> dict[str, int]:
         """How much of each buffer a step uses (a prefix of each)."""
         return {"input_ids": tokens, "positions": tokens, "slot_mapping": tokens,
                 "logits_indices": logits, "seq_lens": rows, "cu_seqlens_q": num_prefills + 1,
-                "block_tables": rows * width}
+                "block_tables": rows * width, "pending_positions": pending, "pending_rows": pending}
 
     def _upload(self, used: dict[str, int]) -> None:
         if self.copied is None:
             return  # on CPU numpy wrote the buffers themselves
         for name, count in used.items():
-            self.device_bufs[name][:count].copy_(self.pinned[name][:count], non_blocking=True)
+            if count:
+                self.device_bufs[name][:count].copy_(self.pinned[name][:count], non_blocking=True)
         self.copied.record()
 
     def _batch(self, used: dict[str, int], num_decodes: int, width: int, num_tokens: int,
@@ -154,8 +168,11 @@ class StepBuffers:
                                  seq_lens=views["seq_lens"],
                                  block_tables=views["block_tables"].view(-1, width),
                                  cu_seqlens_q=views["cu_seqlens_q"])
+        pending = (None, None)
+        if used["pending_rows"]:
+            pending = (views["pending_positions"], views["pending_rows"])
         return PreparedBatch(views["input_ids"], views["positions"], meta, views["logits_indices"],
-                             num_tokens, padded)
+                             num_tokens, padded, *pending)
 
     def padded_batch(self, rows: int) -> PreparedBatch:
         """The inputs of a padded decode step of `rows` rows as they stand (what a graph reads)."""

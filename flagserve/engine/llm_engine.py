@@ -17,12 +17,12 @@ from flagserve.engine.kv_transfer.link import link_engine
 from flagserve.engine.kv_transfer.transport import KVEndpoint, TransferStats
 from flagserve.engine.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
-from flagserve.engine.scheduler import Scheduler, SchedulerConfig
+from flagserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from flagserve.engine.sequence import Sequence, SequenceStatus
 from flagserve.engine.stats import EngineStats
 from flagserve.engine.step_input import StepInputBuilder
 from flagserve.engine.structured_outputs.matchers import Advance, StructuredOutputs
-from flagserve.layers.sampler import SamplerOutput
+from flagserve.layers.sampler import DeviceSamples, SamplerOutput
 from flagserve.models.config import load_model_config
 from flagserve.models.tokenizer import load_tokenizer
 
@@ -74,7 +74,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         # In this process with TP = PP = 1, else TP x PP shard workers under Ray.
         self.executor = make_executor(args, cfg, self.max_model_len, tuple(eos))
-        self.step_inputs = StepInputBuilder()
+        self.step_inputs = StepInputBuilder(args.async_scheduling)
+        # Async scheduling: the step on the device (its sampled sequences and samples)
+        self._in_flight: tuple[list[Sequence], DeviceSamples] | None = None
         self.block_manager = BlockManager(self.executor.num_kv_blocks, args.block_size,
                                           args.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -208,28 +210,66 @@ class LLMEngine:
             failed += self._poll_transfers()  # imported (first token) or failed requests
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            if self.structured.num_held and not failed:
+            touched = self._land()
+            if self.structured.num_held and not failed and not touched:
                 self.structured.wait(GRAMMAR_WAIT_S)  # nothing else to run: no busy loop
             elif self.kv_transport is not None and not failed:
                 self.kv_transport.wait(KV_WAIT_S)
-            return self._outputs(failed)
+            return self._outputs(list(dict.fromkeys(failed + touched)))
         now = time.time()
         for seq in batch.admitted:  # the others were scheduled before
             state = self.requests[seq.request_id]
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
                 self._prompt_tokens += len(state.prompt_token_ids)
-        step = self.step_inputs.build(batch)
-        sampled = [batch.seqs[i] for i in step.sample_indices]
-        step.token_bitmask = self.structured.bitmask(sampled)
-        output = self.executor.execute(step)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        touched = self._process_samples(sampled, output) if output is not None else []
+        touched = self._run(batch)
         outputs = self._outputs(list(dict.fromkeys(failed + touched)))
         self._num_steps += 1
         self._step_seconds += time.perf_counter() - start
         return outputs
+
+    def _run(self, batch: ScheduledBatch) -> list[str]:
+        """Run the batch; the requests with new tokens. With async scheduling the step is
+        queued on the device and the step before it lands (its tokens appended and checked)
+        while it runs, unless the step samples with a grammar or penalties: those need every
+        token on the host, so it runs through (the step before landing first)."""
+        step = self.step_inputs.build(batch)
+        sampled = [batch.seqs[i] for i in step.sample_indices]
+        step.token_bitmask = self.structured.bitmask(sampled)
+        overlap = self.args.async_scheduling and step.token_bitmask is None and step.output_token_ids is None
+        samples = self.executor.launch(step) if overlap else self.executor.execute(step)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        touched = self._land()
+        if samples is None:
+            return touched
+        if overlap:
+            for seq in sampled:
+                seq.num_pending += 1
+            self._in_flight = (sampled, samples)
+            return touched
+        return touched + self._process_samples(*self._live(sampled, samples))
+
+    def _land(self) -> list[str]:
+        """The step in flight's samples (async scheduling): on the host, appended, checked."""
+        if self._in_flight is None:
+            return []
+        seqs, samples = self._in_flight
+        self._in_flight = None
+        out = samples.host()
+        for seq in seqs:
+            seq.num_pending -= 1
+        return self._process_samples(*self._live(seqs, out))
+
+    def _live(self, seqs: list[Sequence], out: SamplerOutput) -> tuple[list[Sequence], SamplerOutput]:
+        """Without the rows of sequences that ended while their step ran (async scheduling:
+        they ran one step past their end, or were aborted): those samples are void."""
+        if not self.args.async_scheduling:
+            return seqs, out
+        rows = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+        if len(rows) == len(seqs):
+            return seqs, out
+        return [seqs[i] for i in rows], out.select(rows)
 
     def _outputs(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = [o for o in (self._make_output(self.requests[r]) for r in request_ids) if o is not None]

@@ -18,7 +18,7 @@ from flagserve.engine.input_buffers import PreparedBatch, StepBuffers, bucket_fo
 from flagserve.engine.kv_budget import batched_tokens, capacity_blocks, kv_budget_bytes
 from flagserve.engine.sampling_inputs import SeqSampling, sampling_batch
 from flagserve.engine.step_input import StepInput
-from flagserve.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from flagserve.layers.sampler import DeviceSamples, Sampler, SamplerOutput, SamplingBatch
 from flagserve.models.config import ModelConfig, auto_dtype
 from flagserve.models.loader import load_model
 from kernels import KernelOps, get_ops
@@ -70,6 +70,7 @@ class ModelRunner:
         self.sampler = Sampler(args.seed, self.device, self.ops) if par.samples else None
         self.seqs: dict[int, SeqSampling] = {}  # seq_id -> state, on the sampling shard only
         self.forward_seconds = 0.0  # model forward and LM head, for overhead accounting
+        self.last_samples: torch.Tensor | None = None  # async scheduling: the last step's tokens
         # Set by allocate_kv_cache (CUDA graphs bind the cache's addresses).
         self.buffers: StepBuffers | None = None
         self.decode_mode: DecodeMode = "eager"
@@ -135,7 +136,9 @@ class ModelRunner:
         pad_to = None
         if self.buckets and step.num_tokens == len(step.seq_ids):  # decode-only
             pad_to = bucket_for(step.num_tokens, self.buckets)
-        return self.buffers.fill(step, pad_to)
+        batch = self.buffers.fill(step, pad_to)
+        batch.take_pending(self.last_samples)
+        return batch
 
     def run_model(self, batch: PreparedBatch, hidden: torch.Tensor | None,
                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -165,18 +168,20 @@ class ModelRunner:
         seqs = [self.seqs[step.seq_ids[i]] for i in step.sample_indices]
         return sampling_batch(seqs, step, self.cfg.vocab_size, self.eos_token_ids, self.device)
 
-    def execute(self, step: StepInput) -> SamplerOutput | None:
-        """The sampled tokens on the sampling shard (None when nothing samples), else None."""
+    def execute(self, step: StepInput, defer: bool = False) -> SamplerOutput | DeviceSamples | None:
+        """The sampled tokens on the sampling shard (None when nothing samples), else None.
+        defer (async scheduling, TP = PP = 1): the samples as the device will have them, a
+        copy to the host under way, and nothing waited for."""
         if self.thread_tuner is None:
-            return self._execute(step)
+            return self._execute(step, defer)
         self.thread_tuner.start(step.num_tokens)
         start = time.perf_counter()
-        out = self._execute(step)
+        out = self._execute(step, defer)
         self.thread_tuner.finish(time.perf_counter() - start)
         return out
 
     @torch.inference_mode()
-    def _execute(self, step: StepInput) -> SamplerOutput | None:
+    def _execute(self, step: StepInput, defer: bool) -> SamplerOutput | DeviceSamples | None:
         par = self.par
         if par.samples:
             self.track_sequences(step)
@@ -196,9 +201,13 @@ class ModelRunner:
             self.forward_seconds += time.perf_counter() - start
             return None
         logits = self.model.compute_logits(hidden[prepared.logits_indices])  # None off TP rank 0
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not defer:
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward
-        self.forward_seconds += time.perf_counter() - start
+        self.forward_seconds += time.perf_counter() - start  # deferred: the launches only
         if not par.samples:
             return None
-        return self.sampler(logits, self.sampling_batch(step))
+        samples = self.sampler.sample(logits, self.sampling_batch(step))
+        if not defer:
+            return samples.host()
+        self.last_samples = samples.tokens
+        return samples.start_copy()

@@ -34,6 +34,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # Sampled on the device, not yet in token_ids (async scheduling: the step in flight)
+    num_pending: int = 0
     num_cached_tokens: int = 0  # of those, served by the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
@@ -44,7 +46,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Pending tokens included: what the scheduler and the step message count."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -52,7 +55,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -47,6 +47,10 @@ class StepInput:
     # Per sampled row: allowed-token bits of its grammar (all ones when unconstrained); None
     # when no row is constrained. The grammar process writes it, while the forward runs.
     token_bitmask: torch.Tensor | PendingMask | None = None
+    # Async scheduling: new tokens sampled by the step before and not yet on the host. Their
+    # places in token_ids (which hold 0 there) and their rows among that step's samples.
+    pending_positions: list[int] = field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -67,9 +71,12 @@ class StepInput:
 class StepInputBuilder:
     """Engine side: turns a ScheduledBatch into a StepInput, remembering what runners know."""
 
-    def __init__(self) -> None:
+    def __init__(self, async_scheduling: bool = False) -> None:
         self._known: dict[int, bool] = {}  # seq_id -> whether it has penalties
         self._finished: list[int] = []
+        self._async = async_scheduling
+        self._sample_rows: dict[int, int] = {}  # seq_id -> its row among the last step's samples
+        self.num_penalized = 0  # known sequences with penalties
 
     def build(self, batch: ScheduledBatch) -> StepInput:
         step = StepInput([], [], [], [], [], [], [], None, [], self._finished)
@@ -80,6 +87,7 @@ class StepInputBuilder:
             penalized = known.get(seq.seq_id)
             if penalized is None:
                 penalized = known[seq.seq_id] = seq.params.has_penalties
+                self.num_penalized += penalized
                 step.new_seqs.append(NewSeq(seq.seq_id, seq.params, seq.seed,
                                             seq.token_ids[:seq.num_prompt_tokens] if penalized else None,
                                             seq.generator_state))
@@ -87,20 +95,35 @@ class StepInputBuilder:
             step.seq_ids.append(seq.seq_id)
             step.start_positions.append(start)
             step.block_tables.append(seq.block_table)
-            if start + n == len(seq.token_ids):  # the chunk reaches its last token: it samples
+            if start + n == seq.num_tokens:  # the chunk reaches its last token: it samples
                 sample_indices.append(i)
                 step.num_output_tokens.append(start + n - seq.num_prompt_tokens)
                 penalties = penalties or penalized
-            if n == 1:
+            if seq.num_pending and start + n > len(seq.token_ids):
+                self._pending_token(step, seq, start, n)
+            elif n == 1:
                 token_ids.append(seq.token_ids[start])
             else:
                 token_ids.extend(seq.token_ids[start:start + n])
         step.num_new_tokens.extend(batch.num_new_tokens)
         if penalties:
             step.output_token_ids = [batch.seqs[i].output_token_ids for i in sample_indices]
+        if self._async:
+            self._sample_rows = {step.seq_ids[i]: row for row, i in enumerate(sample_indices)}
         return step
+
+    def _pending_token(self, step: StepInput, seq: Sequence, start: int, n: int) -> None:
+        """The chunk's tokens where the last is still on the device: a slot for it, filled
+        from the previous step's samples (the only step a token can be pending from)."""
+        if n > 1:
+            step.token_ids.extend(seq.token_ids[start:start + n - 1])
+        step.pending_positions.append(len(step.token_ids))
+        step.pending_rows.append(self._sample_rows[seq.seq_id])
+        step.token_ids.append(0)
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was aborted: runners may forget it with the next step."""
-        if self._known.pop(seq.seq_id, None) is not None:
+        penalized = self._known.pop(seq.seq_id, None)
+        if penalized is not None:
+            self.num_penalized -= penalized
             self._finished.append(seq.seq_id)

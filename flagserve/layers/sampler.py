@@ -43,6 +43,43 @@ class SamplerOutput:
     top_token_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
 
+    def select(self, rows: list[int]) -> "SamplerOutput":
+        """These rows only, in this order."""
+        def pick(values: list | None) -> list | None:
+            return None if values is None else [values[i] for i in rows]
+        return SamplerOutput(pick(self.token_ids), pick(self.logprobs), pick(self.ranks),
+                             pick(self.top_token_ids), pick(self.top_logprobs))
+
+
+@dataclass
+class DeviceSamples:
+    """A step's samples where the sampler left them; host() brings them over (the step's one
+    wait for the device). After start_copy() the copy runs behind the device's queue and
+    host() waits only for it, so the host can prepare the next step meanwhile."""
+    tokens: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None = None  # [N] (with ranks: when logprobs were asked for)
+    ranks: torch.Tensor | None = None  # [N]
+    top_ids: torch.Tensor | None = None  # [N, max_num_logprobs]
+    top_logprobs: torch.Tensor | None = None
+    _copied: object | None = None  # a CUDA event after start_copy
+
+    FIELDS = ("tokens", "logprobs", "ranks", "top_ids", "top_logprobs")  # SamplerOutput's order
+
+    def start_copy(self) -> "DeviceSamples":
+        if self.tokens.is_cuda:  # to pinned host memory (non_blocking allocates it pinned)
+            for name in self.FIELDS:
+                if (t := getattr(self, name)) is not None:
+                    setattr(self, name, t.to("cpu", non_blocking=True))
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return self
+
+    def host(self) -> SamplerOutput:
+        if self._copied is not None:
+            self._copied.synchronize()
+        values = (getattr(self, name) for name in self.FIELDS)
+        return SamplerOutput(*(None if t is None else t.tolist() for t in values))
+
 
 def _token_mask(rows: list[list[int]], vocab_size: int, device: torch.device,
                 counts: bool = False) -> torch.Tensor:
@@ -127,6 +164,10 @@ class Sampler(nn.Module):
         self.generator.manual_seed(seed)
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return self.sample(logits, batch).host()
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> DeviceSamples:
+        """The samples, left on the device (no wait for it)."""
         logits = logits.float()
         want_logprobs = batch.max_num_logprobs >= 0
         # Logprobs are of the raw distribution and cost a full-vocabulary pass: only on request.
@@ -142,11 +183,10 @@ class Sampler(nn.Module):
             sampled = self.argmax(probs / noise)
             tokens = torch.where(batch.temperatures == 0, tokens, sampled)
         if not want_logprobs:
-            return SamplerOutput(tokens.tolist(), None, None, None, None)
+            return DeviceSamples(tokens)
         sampled_lp = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        ranks = ((raw_logprobs > sampled_lp[:, None]).sum(-1) + 1).tolist()
-        top_ids = top_lps = None
-        if batch.max_num_logprobs > 0:
-            top = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)
-            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
-        return SamplerOutput(tokens.tolist(), sampled_lp.tolist(), ranks, top_ids, top_lps)
+        ranks = (raw_logprobs > sampled_lp[:, None]).sum(-1) + 1
+        if batch.max_num_logprobs <= 0:
+            return DeviceSamples(tokens, sampled_lp, ranks)
+        top = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)
+        return DeviceSamples(tokens, sampled_lp, ranks, top.indices, top.values)

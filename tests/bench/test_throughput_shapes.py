@@ -103,7 +103,7 @@ def test_phase_timer_restores_what_it_wrapped():
         return SimpleNamespace(**{name: lambda: f"{path}.{name}"})
 
     runner = SimpleNamespace(prepare=lambda: "prepare", sampling_batch=lambda: "batch",
-                             sampler=part("sampler", "forward"))
+                             sampler=part("sampler", "sample"))
     engine = SimpleNamespace(scheduler=part("scheduler", "schedule"),
                              step_inputs=part("step_inputs", "build"),
                              structured=part("structured", "bitmask"),
@@ -112,7 +112,7 @@ def test_phase_timer_restores_what_it_wrapped():
     before = dict(vars(engine)), dict(vars(runner))
     with PhaseTimer(engine) as timer:
         assert engine.scheduler.schedule() == "scheduler.schedule"
-        assert engine.executor.runner.sampler.forward() == "sampler.forward"
+        assert engine.executor.runner.sampler.sample() == "sampler.sample"
     assert timer.totals["schedule"] > 0 and timer.totals["sampler"] > 0 and timer.totals["outputs"] == 0
     assert len(timer.totals) == len(PHASES)
     assert (dict(vars(engine)), dict(vars(runner))) == before

@@ -1,0 +1,157 @@
+"""Async scheduling (EngineArgs.async_scheduling) gives every request exactly what the step-by-
+step engine gives it: the step in flight only changes when the host learns its tokens."""
+import pytest
+
+from flagserve import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from flagserve.engine.executor import InProcessExecutor
+from tests.conftest import prompt_set
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(llama_path):
+    return prompt_set(LLM(llama_path).get_tokenizer(), 16, seed=3)
+
+
+@pytest.fixture
+def pending_counts(monkeypatch):
+    """Per launched step, how many input tokens it took from the step before's samples."""
+    counts = []
+    launch = InProcessExecutor.launch
+
+    def spy(self, step):
+        counts.append(len(step.pending_positions))
+        return launch(self, step)
+
+    monkeypatch.setattr(InProcessExecutor, "launch", spy)
+    return counts
+
+
+def both(llama_path, prompts, params, **engine_args) -> tuple[list, list, LLM]:
+    """(step-by-step outputs, async outputs, the async LLM): the same requests through each."""
+    outs = []
+    for async_scheduling in (False, True):
+        llm = LLM(llama_path, dtype="float32", async_scheduling=async_scheduling, **engine_args)
+        outs.append(llm.generate(prompts, params, use_tqdm=False))
+    return outs[0], outs[1], llm
+
+
+def completions(outputs) -> list:
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
+
+
+def test_greedy_with_preemption_and_chunks(llama_path, prompts, pending_counts):
+    sync, overlapped, llm = both(llama_path, prompts, GREEDY, num_kv_blocks=10, max_model_len=160,
+                                 max_num_batched_tokens=24, max_num_seqs=6)
+    assert completions(overlapped) == completions(sync)
+    engine = llm.llm_engine
+    assert engine.get_stats().num_preemptions > 0
+    assert sum(pending_counts) > len(pending_counts)  # decode inputs did come from the device
+    assert engine.block_manager.num_free_blocks == 10  # nothing leaked
+
+
+def test_seeded_sampling_logprobs_and_n(llama_path, prompts):
+    params = SamplingParams(n=2, temperature=0.9, top_p=0.9, seed=11, max_tokens=16, logprobs=3,
+                            ignore_eos=True)
+    sync, overlapped, _ = both(llama_path, prompts[:8], params)
+    assert completions(overlapped) == completions(sync)
+    for a, b in zip(sync, overlapped):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.logprobs == y.logprobs and x.cumulative_logprob == y.cumulative_logprob
+
+
+def test_sequences_that_end_while_the_next_step_runs(llama_path, prompts):
+    """Stop strings, stop token ids and EOS end a sequence one step after it was scheduled
+    again: that step's sample is dropped and its blocks come back."""
+    tokenizer = LLM(llama_path).get_tokenizer()
+    first = LLM(llama_path, dtype="float32").generate(prompts[:6], GREEDY, use_tqdm=False)
+    stop_ids = [o.outputs[0].token_ids[5] for o in first[:3]]
+    stop_text = [tokenizer.decode(o.outputs[0].token_ids[8:10]) for o in first[3:]]
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=stop_ids,
+                            stop=[t for t in stop_text if t.strip()])
+    sync, overlapped, llm = both(llama_path, prompts, params, num_kv_blocks=64)
+    assert completions(overlapped) == completions(sync)
+    assert {o.outputs[0].finish_reason for o in sync} >= {"stop"}
+    assert llm.llm_engine.block_manager.num_free_blocks == 64
+
+
+def test_grammars_and_penalties_run_step_by_step_beside_the_rest(llama_path, prompts):
+    plain = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in range(4)]
+    penalized = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                repetition_penalty=1.3, frequency_penalty=0.4) for _ in range(2)]
+    constrained = [SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(
+        choice=["alpha", "beta", "gamma delta"])) for _ in range(2)]
+    params = plain + penalized + constrained
+    sync, overlapped, _ = both(llama_path, prompts[:len(params)], params)
+    assert completions(overlapped) == completions(sync)
+    assert all(o.outputs[0].text in ("alpha", "beta", "gamma delta") for o in overlapped[-2:])
+
+
+def test_deltas_and_aborts(llama_path, prompts):
+    """Streamed deltas add up to the step-by-step text; an abort while its step is in flight
+    ends the request with no output and frees its blocks."""
+    def run(async_scheduling: bool) -> dict[str, list]:
+        engine = LLMEngine(EngineArgs(model=llama_path, dtype="float32", num_kv_blocks=64,
+                                      async_scheduling=async_scheduling))
+        delta = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                               output_kind=RequestOutputKind.DELTA)
+        for i, prompt in enumerate(prompts[:5]):
+            engine.add_request(str(i), prompt, delta)
+        got: dict[str, list] = {}
+        steps = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).append(out.outputs[0])
+            steps += 1
+            if steps == 6:
+                engine.abort("2")
+        assert engine.block_manager.num_free_blocks == 64
+        return {r: ("".join(c.text for c in cs), sum((c.token_ids for c in cs), []), cs[-1].finish_reason)
+                for r, cs in got.items()}
+
+    sync, overlapped = run(False), run(True)
+    assert set(sync) == set(overlapped) == {"0", "1", "2", "3", "4"}
+    for request_id in ("0", "1", "3", "4"):
+        assert overlapped[request_id] == sync[request_id]
+    # Request 2 streamed until its abort; one step later when its tokens land a step later.
+    assert sync["2"][2] is None and overlapped["2"][2] is None
+    assert sync["2"][1][:len(overlapped["2"][1])] == overlapped["2"][1]
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_needs_the_engine_in_one_process(layout):
+    with pytest.raises(ValueError, match="EngineArgs.async_scheduling needs the engine in one process"):
+        EngineArgs(model="m", async_scheduling=True, **layout)
+    with pytest.raises(ValueError, match="EngineArgs.async_scheduling must be true or false"):
+        EngineArgs(model="m", async_scheduling="yes")
+
+
+def test_prefix_cache_sees_the_blocks_completed_by_pending_tokens(llama_path, prompts):
+    """A block that a pending token completes is hashed a step later, once the token is
+    known: a follow-up that repeats a finished request's prompt and output hits as many
+    cached tokens as step by step."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    hits = []
+    for async_scheduling in (False, True):
+        llm = LLM(llama_path, dtype="float32", async_scheduling=async_scheduling)
+        [first] = llm.generate([prompts[0]], params, use_tqdm=False)
+        follow_up = prompts[0] + first.outputs[0].token_ids
+        [second] = llm.generate([follow_up], params, use_tqdm=False)
+        hits.append((second.num_cached_tokens, second.outputs[0].token_ids))
+    assert hits[1] == hits[0] and hits[0][0] >= len(prompts[0]) + 16
+
+
+def test_padded_decode_steps(llama_path, prompts):
+    """The CUDA-graph-shaped path (decode steps padded to buckets, run eagerly on CPU) takes its
+    pending inputs the same way: the same tokens as step by step on that path."""
+    from tests.test_cuda_graph_buckets import padded_rows
+
+    params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(10)]
+    outs = []
+    for async_scheduling in (False, True):
+        llm = LLM(llama_path, dtype="float32", async_scheduling=async_scheduling, max_num_seqs=12)
+        seen = padded_rows(llm)
+        outs.append(completions(llm.generate(prompts[:10], params, use_tqdm=False)))
+        assert any(rows > n for rows, n in seen)  # padded steps ran
+    assert outs[1] == outs[0]
