@@ -49,10 +49,11 @@ class RequestState:
     sent_text: list[int]  # per sequence, for DELTA outputs: chars and tokens already returned
     sent_tokens: list[int]
     error: str | None = None  # the engine ended it (a failed KV transfer)
+    hold: int = 0  # characters held back: they may turn out to be the start of a stop string
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
 
 
 class LLMEngine:
@@ -137,7 +138,8 @@ class LLMEngine:
         detoks = [IncrementalDetokenizer.for_prompt(self.tokenizer, len(ids), params.skip_special_tokens,
                                                     deferred) for _ in seqs]
         state = RequestState(request_id, text, ids, params, seqs, detoks, metrics,
-                             [0] * len(seqs), [0] * len(seqs))
+                             [0] * len(seqs), [0] * len(seqs),
+                             hold=max(map(len, params.stop_list)) - 1 if params.stop_list else 0)
         self.requests[request_id] = state
         return state
 
@@ -365,34 +367,36 @@ class LLMEngine:
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         finished = state.finished
         kind = state.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if kind == FINAL_ONLY and not finished:
             return None
+        metrics = state.metrics
         if finished:
-            state.metrics.finished_time = time.time()
-        completions = []
-        stops = state.params.stop_list
-        # Hold back text that may turn out to be the start of a stop string.
-        hold = max(map(len, stops)) - 1 if stops else 0
-        for seq, detok in zip(state.seqs, state.detokenizers):
-            if detok.deferred:
-                detok.flush(seq.token_ids)
-            text, tokens, logprobs = detok.text, seq.output_token_ids, seq.logprobs
-            if hold and not seq.is_finished:
-                text = text[:max(len(text) - hold, state.sent_text[seq.index])]
-            if kind == RequestOutputKind.DELTA:
-                i, t = state.sent_text[seq.index], state.sent_tokens[seq.index]
-                text, tokens = text[i:], tokens[t:]
-                logprobs = logprobs[t:] if logprobs is not None else None
-                state.sent_text[seq.index] += len(text)
-                state.sent_tokens[seq.index] += len(tokens)
-            elif logprobs is not None:
-                logprobs = list(logprobs)
-            completions.append(CompletionOutput(
-                seq.index, text, tokens,
-                seq.cumulative_logprob, logprobs, seq.finish_reason, seq.stop_reason))
-        state.metrics.num_cached_tokens = max(s.num_cached_tokens for s in state.seqs)
+            metrics.finished_time = time.time()
+        completions = [self._completion(state, seq, detok, kind)
+                       for seq, detok in zip(state.seqs, state.detokenizers)]
+        metrics.num_cached_tokens = max(s.num_cached_tokens for s in state.seqs)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, state.metrics, state.metrics.num_cached_tokens, state.error)
+                             finished, metrics, metrics.num_cached_tokens, state.error)
+
+    @staticmethod
+    def _completion(state: RequestState, seq: Sequence, detok: IncrementalDetokenizer,
+                    kind: RequestOutputKind) -> CompletionOutput:
+        if detok.deferred:
+            detok.flush(seq.token_ids)
+        text, logprobs, i = detok.text, seq.logprobs, seq.index
+        if state.hold and not seq.is_finished:
+            text = text[:max(len(text) - state.hold, state.sent_text[i])]
+        if kind == RequestOutputKind.DELTA:
+            sent = state.sent_tokens[i]
+            text, tokens = text[state.sent_text[i]:], seq.token_ids[seq.num_prompt_tokens + sent:]
+            logprobs = logprobs[sent:] if logprobs is not None else None
+            state.sent_text[i] += len(text)
+            state.sent_tokens[i] += len(tokens)
+        else:
+            tokens = seq.output_token_ids
+            logprobs = list(logprobs) if logprobs is not None else None
+        return CompletionOutput(i, text, tokens, seq.cumulative_logprob, logprobs, seq.finish_reason,
+                                seq.stop_reason)
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
