@@ -8,8 +8,10 @@
 # The lent machine's image has torch, triton and transformers only (../shared/DESIGN.md), so
 # the test part runs the engine, kernel and benchmark tests that need nothing else. Logs go
 # to $OUT (the device tool's folder that comes back) or /tmp/flagserve-gpu. A dry run of
-# `tests` here, in the project's venv (whose hydra-core registers a pytest plugin):
-#   PYTEST_ADDOPTS="-p no:hydra_pytest" PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh tests
+# `tests` here, in the project's venv with the packages the image lacks made unimportable
+# (gpu_dry_run/sitecustomize.py; hydra-core's pytest plugin off):
+#   PYTHONPATH=benchmarks/gpu_dry_run PYTEST_ADDOPTS="-p no:hydra_pytest" PYTHON=.venv/bin/python \
+#     bash benchmarks/gpu_session.sh tests
 set -uo pipefail
 if [ "${1:-}" != tests ] && [ "${1:-}" != bench ] && [ "${1:-}" != throughput ]; then
   echo "usage: $0 tests|bench|throughput" >&2
