@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
 
 import pytest
@@ -107,10 +108,44 @@ def test_wire_round_trips_every_field():
     stats = filled(EngineStats)
     handoff = filled(RequestHandoff, params=SamplingParams(seed=3), seqs=[], layout=filled(KVLayout))
     result = StepResult([out], stats, 123.5, [("bad", ValueError("too long"))], [handoff])
-    back = engine_wire.decode(__import__("pickle").loads(engine_wire.encode(result)))
+    back = engine_wire.Decoder().decode(pickle.loads(engine_wire.Encoder().encode(result)))
     assert back.outputs == result.outputs and back.stats == stats and back.time == 123.5
     assert back.handoffs == [handoff]
     assert back.rejected[0][0] == "bad" and str(back.rejected[0][1]) == "too long"
+
+
+def test_wire_sends_a_prompt_once_and_forgets_it_with_its_request():
+    from flagserve.engine.core import wire as engine_wire
+    from flagserve.engine.core.loop import StepResult
+    from flagserve.engine.outputs import CompletionOutput, RequestOutput
+    from flagserve.engine.stats import EngineStats
+
+    stats = EngineStats(*range(11))
+    encoder, decoder = engine_wire.Encoder(), engine_wire.Decoder()
+
+    def step(*outs: tuple[str, bool]) -> tuple[bytes, StepResult]:
+        outputs = [RequestOutput(r, f"text of {r}", [ord(c) for c in r],
+                                 [CompletionOutput(0, "x", [5], None, None)], finished)
+                   for r, finished in outs]
+        data = encoder.encode(StepResult(outputs, stats, 1.0))
+        back = decoder.decode(pickle.loads(data))
+        assert back.outputs == outputs  # the prompt is there every time on this side
+        return data, back
+
+    first, _ = step(("ab", False), ("cd", False))
+    later, _ = step(("ab", False), ("cd", True))
+    assert b"text of ab" in first and b"text of ab" not in later and b"text of cd" not in later
+    step(("ab", True))
+    assert not decoder._prompts and not encoder._sent  # noqa: SLF001 - both forgot them
+    # An aborted request: forgotten on both sides; a late output of it decodes, promptless.
+    step(("ef", False))
+    encoder.forget("ef")
+    decoder.forget("ef")
+    assert not decoder._prompts and not encoder._sent  # noqa: SLF001
+    late = RequestOutput("ef", "text of ef", [1], [CompletionOutput(0, "y", [6], None, None)], False)
+    encoder._sent.add("ef")  # noqa: SLF001 - as if encoded before the abort arrived
+    back = decoder.decode(pickle.loads(encoder.encode(StepResult([late], stats, 2.0))))
+    assert back.outputs[0].prompt_token_ids == [] and back.outputs[0].outputs[0].text == "y"
 
 
 def test_step_loop_publishes_the_stats_of_a_step_that_leaves_it_idle():

@@ -31,7 +31,7 @@ from typing import Any
 
 from flagserve.engine.child_process import child_env
 from flagserve.engine.core import wire
-from flagserve.engine.core.loop import Command, EngineDeadError, StepResult, run_steps
+from flagserve.engine.core.loop import AbortRequest, Command, EngineDeadError, StepResult, run_steps
 from flagserve.engine.cpu_runtime import (
     apply_thread_plan,
     engine_thread_plan,
@@ -78,6 +78,7 @@ class EngineProcess:
         self._stopping = False
         self.error: EngineDeadError | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands; None ends the writer
+        self._decoder = wire.Decoder()
         self._reader: threading.Thread | None = None
         self._writer: threading.Thread | None = None
         try:
@@ -112,7 +113,7 @@ class EngineProcess:
                     msg = _recv(self.conn)
                     if isinstance(msg, CoreFailed):
                         raise EngineDeadError(f"the engine process failed:\n{msg.error}")
-                    on_result(wire.decode(msg))
+                    on_result(self._decoder.decode(msg))
             except (EOFError, OSError):
                 if not self._stopping:
                     self._dead(on_result, EngineDeadError(
@@ -144,6 +145,8 @@ class EngineProcess:
     def send(self, command: Command | Shutdown) -> None:
         if self.error is not None:
             raise self.error
+        if isinstance(command, AbortRequest):
+            self._decoder.forget(command.request_id)
         self._outbox.put(command)
 
     @property
@@ -228,6 +231,7 @@ def main(argv: list[str]) -> int:
         return 1
     _send(conn, CoreReady(engine.max_model_len, engine.model_config.vocab_size, engine.get_stats()))
     stopping = False
+    encoder = wire.Encoder()
     # One poll object for the life of the loop: Connection.poll builds a selector per call,
     # and this runs every step.
     poller = select.poll()
@@ -243,12 +247,14 @@ def main(argv: list[str]) -> int:
                     stopping = True
                     break
                 commands.append(msg)
+                if isinstance(msg, AbortRequest):
+                    encoder.forget(msg.request_id)
         except (EOFError, OSError):  # the replica is gone
             stopping = True
         return commands
 
     try:
-        run_steps(engine, receive, lambda result: conn.send_bytes(wire.encode(result)),
+        run_steps(engine, receive, lambda result: conn.send_bytes(encoder.encode(result)),
                   lambda: stopping)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the replica went away while a result was being sent
