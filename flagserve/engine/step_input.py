@@ -76,7 +76,6 @@ class StepInputBuilder:
         self._finished: list[int] = []
         self._async = async_scheduling
         self._sample_rows: dict[int, int] = {}  # seq_id -> its row among the last step's samples
-        self.num_penalized = 0  # known sequences with penalties
 
     def build(self, batch: ScheduledBatch) -> StepInput:
         step = StepInput([], [], [], [], [], [], [], None, [], self._finished)
@@ -87,7 +86,6 @@ class StepInputBuilder:
             penalized = known.get(seq.seq_id)
             if penalized is None:
                 penalized = known[seq.seq_id] = seq.params.has_penalties
-                self.num_penalized += penalized
                 step.new_seqs.append(NewSeq(seq.seq_id, seq.params, seq.seed,
                                             seq.token_ids[:seq.num_prompt_tokens] if penalized else None,
                                             seq.generator_state))
@@ -123,7 +121,5 @@ class StepInputBuilder:
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was aborted: runners may forget it with the next step."""
-        penalized = self._known.pop(seq.seq_id, None)
-        if penalized is not None:
-            self.num_penalized -= penalized
+        if self._known.pop(seq.seq_id, None) is not None:
             self._finished.append(seq.seq_id)
