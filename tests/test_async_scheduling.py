@@ -56,9 +56,15 @@ def test_seeded_sampling_logprobs_and_n(llama_path, prompts):
                             ignore_eos=True)
     sync, overlapped, _ = both(llama_path, prompts[:8], params)
     assert completions(overlapped) == completions(sync)
+    # Within rounding: a step of the async run may hold one more (void) row, and a GEMM of
+    # another height may round differently (bitwise equal on this CPU).
     for a, b in zip(sync, overlapped):
         for x, y in zip(a.outputs, b.outputs):
-            assert x.logprobs == y.logprobs and x.cumulative_logprob == y.cumulative_logprob
+            assert [sorted((t, lp.rank) for t, lp in d.items()) for d in x.logprobs] == \
+                [sorted((t, lp.rank) for t, lp in d.items()) for d in y.logprobs]
+            got = [lp.logprob for d in y.logprobs for lp in d.values()]
+            assert got == pytest.approx([lp.logprob for d in x.logprobs for lp in d.values()], abs=1e-5)
+            assert y.cumulative_logprob == pytest.approx(x.cumulative_logprob, abs=1e-4)
 
 
 def test_sequences_that_end_while_the_next_step_runs(llama_path, prompts):
