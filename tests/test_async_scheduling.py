@@ -162,3 +162,15 @@ def test_padded_decode_steps(llama_path, prompts):
         outs.append(completions(llm.generate(prompts[:10], params, use_tqdm=False)))
         assert any(rows > n for rows, n in seen)  # padded steps ran
     assert outs[1] == outs[0]
+
+
+def test_sequences_that_reach_max_model_len(llama_path, prompts):
+    """A sequence ended by max_model_len ran one more (void) step at the last position: it
+    must stay inside its block table and the cache, and change nothing else."""
+    short = [p[:30] for p in prompts[:6]]
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    sync, overlapped, llm = both(llama_path, short, params, max_model_len=48, num_kv_blocks=24)
+    assert completions(overlapped) == completions(sync)
+    assert all(len(p) + len(o.outputs[0].token_ids) == 48 and o.outputs[0].finish_reason == "length"
+               for p, o in zip(short, overlapped))
+    assert llm.llm_engine.block_manager.num_free_blocks == 24
