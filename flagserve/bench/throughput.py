@@ -15,6 +15,7 @@ K/V) over its measured time.
         --output-len 256 256 --dtype bfloat16            # batch-1 ms per token
 """
 import argparse
+import contextlib
 import json
 import random
 import tempfile
@@ -69,11 +70,8 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
     before = llm.llm_engine.get_stats()
     timer = PhaseTimer(llm.llm_engine) if getattr(args, "phases", False) else None
     start = time.perf_counter()
-    if timer is None:
+    with timer or contextlib.nullcontext():
         outs = llm.generate(work.prompts, params, use_tqdm=False)
-    else:
-        with timer:
-            outs = llm.generate(work.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     stats = llm.llm_engine.get_stats()
     assert sum(len(o.outputs[0].token_ids) for o in outs) == work.output_tokens

@@ -110,7 +110,7 @@ class BlockManager:
         changing nothing, when the free blocks cannot hold them."""
         end = seq.num_computed_tokens + num_new_tokens
         table = seq.block_table
-        needed = (end + self.block_size - 1) // self.block_size - len(table)
+        needed = self._blocks_needed(end) - len(table)
         if needed > 0:  # most decode steps: the last block has room
             if needed > len(self.free):
                 return False
