@@ -1,68 +1,120 @@
 #!/usr/bin/env bash
-# A GPU session's checks for the GPU work, in three device calls of under 10 minutes each:
+# A GPU session's checks for the GPU work (issue 13), in one device call:
 #
-#   bash benchmarks/gpu_session.sh tests        # the suite that runs without Ray, Hydra, xgrammar
-#   bash benchmarks/gpu_session.sh bench        # attention kernels, then batch-1 latency
-#   bash benchmarks/gpu_session.sh throughput   # nano-vllm's workload, step by step and async
+#   bash benchmarks/gpu_session.sh              # every run below, most important first
+#   bash benchmarks/gpu_session.sh tests latency_qwen3   # only these (after a fix, say)
 #
-# The lent machine's image has torch, triton and transformers only (../shared/DESIGN.md), so
-# the test part runs the engine, kernel and benchmark tests that need nothing else. Logs go
-# to $OUT (the device tool's folder that comes back) or /tmp/flagserve-gpu. A dry run of
-# `tests` here, in the project's venv with the packages the image lacks made unimportable
-# (gpu_dry_run/sitecustomize.py; hydra-core's pytest plugin off):
+# Sized for the device tool's limits: 15 minutes of device time a session, a machine's start
+# included, 10 minutes a call, 8 files back. The whole script ends within GPU_SESSION_SECONDS
+# (default 400): each run gets its own limit, cut to what is left, and a run that would get
+# under 20 s is skipped and says so. Give the call timeout_s = GPU_SESSION_SECONDS + 60; that
+# leaves a session time to start a machine again and rerun what failed.
+#
+# What comes back: $OUT/summary.txt (each run's exit and seconds, the key figures) and
+# $OUT/logs.tgz (every run's whole log and --json results), both rewritten after every run so a
+# call cut off at its limit still returns what was done.
+#
+# The lent machine's image has torch, triton and transformers but no Ray, Hydra or xgrammar
+# (../shared/DESIGN.md), so `tests` runs the engine, kernel and benchmark tests that need no
+# Ray or Hydra, in parallel processes where pytest-xdist is installed (the image has it);
+# the grammar tests run where the call carries the wheels of gpu_wheels.sh, else they skip:
+#   bash benchmarks/gpu_wheels.sh     # here, once: .whl/ (about 7 MB), then carry: [".whl"] A dry run of `tests` here, in
+# the project's venv with the packages the image lacks made unimportable (gpu_dry_run/):
 #   PYTHONPATH=benchmarks/gpu_dry_run PYTEST_ADDOPTS="-p no:hydra_pytest" PYTHON=.venv/bin/python \
 #     bash benchmarks/gpu_session.sh tests
 set -uo pipefail
-if [ "${1:-}" != tests ] && [ "${1:-}" != bench ] && [ "${1:-}" != throughput ]; then
-  echo "usage: $0 tests|bench|throughput" >&2
-  exit 2
-fi
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/flagserve-gpu}"
+logs="$(mktemp -d /tmp/flagserve-gpu-logs.XXXXXX)"
 mkdir -p "$out"
-py="${PYTHON:-python}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
-"$py" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' \
-  >> "$out/gpu.txt" 2>&1
+py="${PYTHON:-python3}"
+budget="${GPU_SESSION_SECONDS:-400}"
+summary="$out/summary.txt"
+: > "$summary"
 
-# name, seconds, command...: the command's output in $out/<name>.log, its status in the
-# summary. Each run has its own limit (exit 124 when it hits it): one that hangs must not take
-# the device call's 10 minutes, and the rest of the call with it.
-run() {
-  local name="$1" limit="$2"; shift 2
-  local start=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
-  echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+QWEN3=(benchmarks/throughput.py --shape qwen3-0.6b --dtype bfloat16)
+LATENCY=(--latency --input-len 128 128 --output-len 256 256)
+NANOVLLM=(--num-seqs 256 --input-len 100 1024 --output-len 100 1024)
+TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
+       tests/test_cuda_graph_buckets.py tests/test_sampling.py tests/test_sampling_inputs.py
+       tests/test_scheduling.py tests/test_prefix_cache.py tests/test_tiny_model.py
+       tests/test_async_scheduling.py tests/test_disaggregation.py
+       tests/test_disaggregation_gloo.py tests/test_shard_weights.py
+       tests/test_structured_outputs.py tests/serve/test_engine_core.py
+       tests/bench/test_throughput_shapes.py)
+# The runs in the order they are worth: batch-1 latency and nano-vllm's workload (the targets),
+# the suite, the kernels' table, then the variants that say what each part is worth.
+ALL=(latency_qwen3 nanovllm_qwen3 tests attention latency_llama3_8b nanovllm_qwen3_async
+     latency_qwen3_eager latency_qwen3_async attention_graph)
+
+# name -> "limit-seconds command..." (the command sees $logs/<name>.json for --json)
+spec() {
+  local json="--json $logs/$1.json"
+  case "$1" in
+    latency_qwen3) echo 90 "$py" "${QWEN3[@]}" "${LATENCY[@]}" --profile 16 $json ;;
+    latency_qwen3_eager) echo 60 "$py" "${QWEN3[@]}" "${LATENCY[@]}" --enforce-eager $json ;;
+    latency_qwen3_async) echo 60 "$py" "${QWEN3[@]}" "${LATENCY[@]}" --async-scheduling $json ;;
+    latency_llama3_8b) echo 90 "$py" benchmarks/throughput.py --shape llama3-8b --dtype bfloat16 \
+      "${LATENCY[@]}" $json ;;
+    nanovllm_qwen3) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases $json ;;
+    nanovllm_qwen3_async) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases \
+      --async-scheduling $json ;;
+    attention) echo 120 "$py" benchmarks/attention.py --dtype bfloat16 ;;
+    attention_graph) echo 60 "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph \
+      --only decode ;;
+    tests) echo 240 "$py" -m pytest -q -p no:cacheprovider -rfE --durations=10 \
+      $(parallel_args) "${TESTS[@]}" ;;
+    *) return 1 ;;
+  esac
 }
 
-case "$1" in
-  tests)
-    run tests 540 "$py" -m pytest -q -p no:cacheprovider \
-      tests/kernels tests/test_engine_api.py tests/test_hf_parity.py tests/test_cuda_graph_buckets.py \
-      tests/test_sampling.py tests/test_sampling_inputs.py tests/test_scheduling.py \
-      tests/test_prefix_cache.py tests/test_tiny_model.py tests/bench/test_throughput_shapes.py \
-      tests/test_async_scheduling.py
-    ;;
-  bench)
-    run attention 120 "$py" benchmarks/attention.py --dtype bfloat16
-    run attention_graph 60 "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph --only decode
-    run latency_qwen3 90 "$py" benchmarks/throughput.py --shape qwen3-0.6b --latency \
-      --input-len 128 128 --output-len 256 256 --dtype bfloat16 --profile 16
-    run latency_qwen3_async 60 "$py" benchmarks/throughput.py --shape qwen3-0.6b --latency \
-      --input-len 128 128 --output-len 256 256 --dtype bfloat16 --async-scheduling
-    run latency_qwen3_eager 60 "$py" benchmarks/throughput.py --shape qwen3-0.6b --latency \
-      --input-len 128 128 --output-len 256 256 --dtype bfloat16 --enforce-eager
-    run latency_llama3_8b 90 "$py" benchmarks/throughput.py --shape llama3-8b --latency \
-      --input-len 128 128 --output-len 256 256 --dtype bfloat16
-    ;;
-  throughput)
-    run nanovllm_qwen3 150 "$py" benchmarks/throughput.py --shape qwen3-0.6b --num-seqs 256 \
-      --input-len 100 1024 --output-len 100 1024 --dtype bfloat16 --phases
-    run nanovllm_qwen3_async 150 "$py" benchmarks/throughput.py --shape qwen3-0.6b --num-seqs 256 \
-      --input-len 100 1024 --output-len 100 1024 --dtype bfloat16 --phases --async-scheduling
-    run nanovllm_qwen3_async_eager 150 "$py" benchmarks/throughput.py --shape qwen3-0.6b \
-      --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --dtype bfloat16 \
-      --async-scheduling --enforce-eager
-    ;;
-esac
+parallel_args() {  # xdist by file (module fixtures build their models once); a hung test fails
+  "$py" -c 'import xdist' 2>/dev/null && printf -- '-n 8 --dist loadfile '
+  "$py" -c 'import pytest_timeout' 2>/dev/null && printf -- '--timeout 150 '
+}
+
+# The lines of a run's log worth reading in the summary.
+figures() {
+  grep -E "ms per token|output tok/s|roofline|outside the model|passed|failed|error|Error" \
+    "$logs/$1.log" | grep -v "^  " | tail -n 12 | sed 's/^/    /'
+}
+
+run() {
+  local name="$1" left=$((budget - SECONDS)) line limit
+  line="$(spec "$name")" || { echo "$name: unknown run (one of: ${ALL[*]})" | tee -a "$summary"; return; }
+  limit="${line%% *}"
+  if [ "$left" -lt 20 ]; then
+    echo "$name: skipped, ${left} s left of $budget" | tee -a "$summary"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit="$left"
+  local start=$SECONDS
+  # shellcheck disable=SC2086  # the spec is words by design
+  timeout --kill-after=10 "$limit" ${line#* } > "$logs/$name.log" 2>&1
+  local rc=$?
+  {
+    echo "$name: exit $rc in $((SECONDS - start)) s (limit $limit s)"
+    figures "$name"
+    [ "$rc" -ne 0 ] && tail -n 4 "$logs/$name.log" | sed 's/^/  ! /'
+  } | tee -a "$summary"
+  tar -czf "$out/logs.tgz" -C "$logs" .
+}
+
+# The packages the image lacks (xgrammar, pydantic), where gpu_wheels.sh put them in .whl/ and
+# the call carried it: after the image's own on the path, so they add and never replace.
+if ls .whl/*.whl > /dev/null 2>&1; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/flagserve-site \
+    .whl/*.whl > "$logs/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/flagserve-site"
+  echo "wheels from .whl: exit $? ($(ls .whl | wc -l) files)" | tee -a "$summary"
+fi
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  "$py" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton",
+triton.__version__, "transformers", transformers.__version__)' 2>&1
+} | tee -a "$summary"
+[ $# -eq 0 ] && set -- "${ALL[@]}"
+for name in "$@"; do
+  run "$name"
+done
+echo "done in $SECONDS s; logs in $out/logs.tgz" | tee -a "$summary"

@@ -5,10 +5,14 @@ import os
 import pickle
 import re
 
-import jsonschema
 import pytest
 
 from flagserve import LLM, SamplingParams, StructuredOutputsParams
+
+# Both are dependencies of the project; the lent GPU machine's image has them only where its
+# call carried benchmarks/gpu_wheels.sh's wheels.
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},

@@ -4,7 +4,8 @@ importlib.util.find_spec (transformers probes for peft that way). For a dry run 
 gpu_session.sh on a CPU machine (see its header)."""
 import sys
 
-ABSENT = {"ray", "hydra", "omegaconf", "xgrammar", "gguf", "peft", "pydantic", "paramiko"}
+ABSENT = {"ray", "hydra", "omegaconf", "xgrammar", "gguf", "peft", "pydantic", "paramiko",
+          "jsonschema"}
 
 
 class _Hiding:
