@@ -46,7 +46,7 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
 # The runs in the order they are worth: batch-1 latency and nano-vllm's workload (the targets),
 # the suite, the kernels' table, then the variants that say what each part is worth.
 ALL=(latency_qwen3 nanovllm_qwen3 tests attention latency_llama3_8b nanovllm_qwen3_async
-     latency_qwen3_eager latency_qwen3_async attention_graph)
+     latency_qwen3_eager latency_qwen3_async attention_graph attention_autotune)
 
 # name -> "limit-seconds command..." (the command sees $logs/<name>.json for --json)
 spec() {
@@ -63,6 +63,9 @@ spec() {
     attention) echo 120 "$py" benchmarks/attention.py --dtype bfloat16 ;;
     attention_graph) echo 60 "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph \
       --only decode ;;
+    # The prefill tiles triton.autotune picks (printed), against the table's in `attention`.
+    attention_autotune) echo 120 env FLAGSERVE_TRITON_AUTOTUNE=1 TRITON_PRINT_AUTOTUNING=1 \
+      "$py" benchmarks/attention.py --dtype bfloat16 --only prefill ;;
     tests) echo 240 "$py" -m pytest -q -p no:cacheprovider -rfE --durations=10 \
       $(parallel_args) "${TESTS[@]}" ;;
     *) return 1 ;;
