@@ -9,6 +9,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from flagserve.entrypoints.openai.checks import check_completion
 from flagserve.entrypoints.openai.errors import OpenAIError
 from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -92,3 +93,21 @@ CLIENT_CALLS = [
 def test_what_the_official_client_sends_parses(model, call):
     (body,) = _sent_bodies(call)
     parse_request(model, body)
+
+
+COMPLETION_REFUSED = [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
+                      ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of"),
+                      ({"logit_bias": {"5": 1.0}}, "logit_bias")]
+
+
+@pytest.mark.parametrize("extra,param", COMPLETION_REFUSED, ids=[str(r[0]) for r in COMPLETION_REFUSED])
+def test_completion_fields_that_cannot_be_honoured_are_400_naming_them(extra, param):
+    req = parse_request(CompletionRequest, {"prompt": "hi", **extra})
+    with pytest.raises(OpenAIError) as err:
+        check_completion(req)
+    assert (err.value.status, err.value.param) == (400, param)
+
+
+def test_best_of_equal_to_n_is_what_happens_anyway():
+    for extra in ({"best_of": 1}, {"n": 3, "best_of": 3}, {"echo": False, "suffix": "", "logit_bias": {}}):
+        check_completion(parse_request(CompletionRequest, {"prompt": "hi", **extra}))
