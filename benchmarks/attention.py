@@ -22,6 +22,7 @@ Targets (issue 13): decode faster than SDPA at every shape with batch >= 8 and n
 split/merge cost at batch 1; prefill and extend at >= 0.9x SDPA.
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -69,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-gbps", type=float, help="peak HBM bandwidth, overrides detection")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time CUDA-graph replays (triton.testing.do_bench_cudagraph)")
+    parser.add_argument("--sweep-tiles", action="store_true",
+                        help="decode: also time every tile of decode_sweep_space on the chosen "
+                             "path, to retune DECODE_TILES (triton_attention_tuning.py)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="no GPU: run tiny shapes through the Triton interpreter and check them")
     return parser.parse_args()
@@ -164,6 +168,9 @@ def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
         row[f"{name}_us"] = 1e3 * bench_ms(fn, args.cuda_graph)
         if name == "auto":
             out = fn()
+    if args.sweep_tiles:
+        row["tiles"] = sweep_tiles(args, out, fn_args=(q, k_cache, v_cache, tables, seq_lens, scale),
+                                   splits=variants["auto"])
     io_bytes = kv_bytes + 2 * q.numel() * elem + tables.numel() * 4  # K/V + q + out + table
     row["gbps"] = io_bytes / row["auto_us"] / 1e3
     row["peak"] = row["gbps"] / peak_gbps if peak_gbps else None
@@ -175,6 +182,65 @@ def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
         row["err"] = (out.float() - ref.float()).abs().max().item()
         row["sdpa_us"] = 1e3 * sdpa_best_ms(q4, k, v, dict(scale=scale), args.cuda_graph)
     return row
+
+
+def sweep_tiles(args, out: torch.Tensor, fn_args: tuple, splits: int) -> dict:
+    """Tile -> microseconds on the wrapper's path, for every tile of the sweep space; NaN for
+    a tile that fails to compile or launch, or whose output differs from the table tile's
+    beyond rounding (reported, not timed: one bad tile must not end the sweep)."""
+    from kernels._triton_utils import next_pow2
+    from kernels.triton_attention_tuning import decode_sweep_space
+    from kernels.triton_decode_attention import paged_decode_attention_triton
+    q = fn_args[0]
+    times = {}
+    for tile in decode_sweep_space(next_pow2(q.shape[-1]), q.dtype):
+        def fn(tile=tile):
+            return paged_decode_attention_triton(*fn_args, num_splits=splits, tile=tile)
+        try:
+            err = (fn().float() - out.float()).abs().max().item()
+            times[tile] = 1e3 * bench_ms(fn, args.cuda_graph) if err < 2e-2 else float("nan")
+        except Exception as exc:  # noqa: BLE001  (a tile the compiler or the GPU refuses)
+            print(f"{'':>6} tile {tile_name(tile)} failed: {type(exc).__name__}: {exc}"[:200])
+            times[tile] = float("nan")
+    return times
+
+
+def tile_name(tile) -> str:
+    return f"N{tile.block_n}/w{tile.num_warps}/s{tile.num_stages}"
+
+
+def format_sweep(row: dict, table_tile) -> str:
+    timed = {t: us for t, us in row["tiles"].items() if not math.isnan(us)}  # NaN: wrong output
+    wrong = [tile_name(t) for t in row["tiles"] if t not in timed]
+    best = min(timed, key=timed.get)
+    table_us = timed.get(table_tile, row["auto_us"])
+    return (f"{'':>6} tiles: best {tile_name(best)} {timed[best]:.1f} us, table "
+            f"{tile_name(table_tile)} {table_us:.1f} us ({table_us / timed[best]:.2f}x)"
+            + (f"; failed or wrong output: {', '.join(wrong)}" if wrong else ""))
+
+
+def summarize_sweep(rows: list[dict]) -> None:
+    """Per head_dim: the tile with the best geometric-mean time over the swept shapes, against
+    the table's (one tile per head_dim is what DECODE_TILES holds)."""
+    from kernels._triton_utils import next_pow2
+    from kernels.triton_attention_tuning import decode_tile
+
+    def timed(row: dict, tile) -> bool:
+        return not math.isnan(row["tiles"].get(tile, float("nan")))
+
+    for head_dim in sorted({r["head_dim"] for r in rows if "tiles" in r}):
+        mine = [r for r in rows if r["head_dim"] == head_dim and "tiles" in r]
+        tiles = [t for t in mine[0]["tiles"] if all(timed(r, t) for r in mine)]
+        if not tiles:
+            continue
+
+        def mean_log(tile, mine=mine):
+            return sum(math.log(r["tiles"][tile]) for r in mine) / len(mine)
+        best = min(tiles, key=mean_log)
+        table = decode_tile(next_pow2(head_dim), mine[0]["dtype"])
+        gain = math.exp(mean_log(table) - mean_log(best)) if table in tiles else float("nan")
+        print(f"decode D={head_dim}: best tile over {len(mine)} shapes {tile_name(best)}, "
+              f"{gain:.2f}x the table's {tile_name(table)} (geometric mean)")
 
 
 def run_decode(args, shape: Shape, dtype, device, peak_gbps: float | None) -> list[dict]:
@@ -190,9 +256,13 @@ def run_decode(args, shape: Shape, dtype, device, peak_gbps: float | None) -> li
             if row is None:
                 print(f"{batch:>6} {context:>8}  skipped: the K/V cache does not fit")
                 continue
-            row["head_dim"] = shape.head_dim
+            row.update(head_dim=shape.head_dim, dtype=dtype)
             rows.append(row)
             print(format_decode(row))
+            if "tiles" in row:
+                from kernels._triton_utils import next_pow2
+                from kernels.triton_attention_tuning import decode_tile
+                print(format_sweep(row, decode_tile(next_pow2(shape.head_dim), dtype)))
     return rows
 
 
@@ -313,6 +383,7 @@ def run_all(args, dtype, device, peak_gbps: float | None) -> list[dict]:
             shape = Shape(args.num_q_heads, args.num_kv_heads, head_dim, args.block_size)
             prefill_rows += run_prefill(args, shape, dtype, device)
     summarize_decode(decode_rows)
+    summarize_sweep(decode_rows)
     print()
     summarize_prefill(prefill_rows)
     return decode_rows + prefill_rows

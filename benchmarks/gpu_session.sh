@@ -46,7 +46,7 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
 # The runs in the order they are worth: batch-1 latency and nano-vllm's workload (the targets),
 # the suite, the kernels' table, then the variants that say what each part is worth.
 ALL=(latency_qwen3 nanovllm_qwen3 tests attention latency_llama3_8b nanovllm_qwen3_async
-     latency_qwen3_eager latency_qwen3_async attention_graph attention_autotune)
+     attention_sweep latency_qwen3_eager latency_qwen3_async attention_graph attention_autotune)
 
 # name -> "limit-seconds command..." (the command sees $logs/<name>.json for --json)
 spec() {
@@ -61,6 +61,9 @@ spec() {
     nanovllm_qwen3_async) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases \
       --async-scheduling $json ;;
     attention) echo 120 "$py" benchmarks/attention.py --dtype bfloat16 ;;
+    # Every decode tile of the sweep space on a few shapes: what retuning DECODE_TILES needs.
+    attention_sweep) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 --only decode \
+      --sweep-tiles --batches 1 8 64 256 --contexts 512 8192 ;;
     attention_graph) echo 60 "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph \
       --only decode ;;
     # The prefill tiles triton.autotune picks (printed), against the table's in `attention`.

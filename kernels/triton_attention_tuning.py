@@ -71,6 +71,17 @@ def prefill_autotune_space(block_d: int) -> list[tuple[int, int, int]]:
             if not (n == 128 and s == 4)]  # 4 x 2 x 128 x 128 x 2 B > 228 KB of shared memory
 
 
+def decode_sweep_space(block_d: int, dtype: torch.dtype) -> list[Tile]:
+    """Decode tiles around the table entry, for benchmarks/attention.py --sweep-tiles (what a
+    GPU session measures to retune DECODE_TILES): BLOCK_N x warps x stages whose K/V stages
+    fit in shared memory with room for a second program per SM."""
+    if dtype == torch.float32:
+        return [DECODE_TILE_FP32]
+    elem = torch.empty((), dtype=dtype).element_size()
+    return [Tile(16, n, w, s) for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)
+            if 2 * n * block_d * elem * s <= 112 * 1024]
+
+
 def token_bucket(num_tokens: int) -> int:
     """Autotune key for the batch's size: powers of two from 256 to 16384 tokens."""
     return min(16384, max(256, 1 << max(0, num_tokens - 1).bit_length()))

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_utils import LOG2E, dot_precision, last_dim_contiguous, next_pow2, num_sms
-from kernels.triton_attention_tuning import decode_tile
+from kernels.triton_attention_tuning import Tile, decode_tile
 from kernels.triton_paged_attend import attend_paged
 
 # Path choice (tiles: triton_attention_tuning.py). benchmarks/attention.py prints both paths.
@@ -137,9 +137,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, head_dim: int, dtype: torch
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                  *, num_splits: int | None = None) -> torch.Tensor:
+                                  *, num_splits: int | None = None, tile: Tile | None = None
+                                  ) -> torch.Tensor:
     """Same contract as paged_decode_attention_torch; num_splits overrides the choice
-    (1: the single pass; more: split-K)."""
+    (1: the single pass; more: split-K), tile the tuning table's launch settings."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
@@ -149,7 +150,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         return out
     q = last_dim_contiguous(q)
     block_d = next_pow2(head_dim)
-    tile = decode_tile(block_d, q.dtype)
+    tile = tile or decode_tile(block_d, q.dtype)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, head_dim, q.dtype,
                                        block_tables.shape[1] * block_size, q.device)

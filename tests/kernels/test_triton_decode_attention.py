@@ -5,6 +5,7 @@ from kernel_cases import ATTN_TOL, DEVICE, DTYPES, clean, make_paged_cache
 
 from kernels._triton_utils import num_sms
 from kernels.decode_attention import paged_decode_attention_torch
+from kernels.triton_attention_tuning import DECODE_TILES, decode_sweep_space, decode_tile
 from kernels.triton_decode_attention import choose_num_splits, paged_decode_attention_triton
 
 # From a single token to several hundred, on both sides of block and tile (64) boundaries.
@@ -13,7 +14,7 @@ NUM_KV_HEADS = 2
 
 
 def run_case(seq_lens, group, block_size, head_dim, dtype, num_splits=None, garbage=None,
-             seed=0, table_width=None):
+             seed=0, table_width=None, tile=None):
     k_cache, v_cache, table = make_paged_cache(seq_lens, block_size, NUM_KV_HEADS, head_dim,
                                                dtype, garbage=garbage, seed=seed)
     if table_width is not None:  # a CUDA-graph-style table, max_model_len wide
@@ -23,7 +24,7 @@ def run_case(seq_lens, group, block_size, head_dim, dtype, num_splits=None, garb
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
     out = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale,
-                                        num_splits=num_splits)
+                                        num_splits=num_splits, tile=tile)
     ref = paged_decode_attention_torch(q, clean(k_cache), clean(v_cache), table, lens, scale)
     atol, rtol = ATTN_TOL[dtype]
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
@@ -109,3 +110,22 @@ def test_strided_query():
     out = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, 0.125)
     ref = paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 0.125)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["single-pass", "split-k"])
+def test_every_tile_of_the_sweep_is_correct(num_splits):
+    """benchmarks/attention.py --sweep-tiles times these on a GPU to retune the table: each
+    must compute the same attention (16-bit: the sweep's own dtype class)."""
+    tiles = decode_sweep_space(64, torch.float16)
+    assert decode_tile(64, torch.float16) in tiles and len({t.block_n for t in tiles}) == 3
+    for tile in tiles:
+        run_case([1, 17, 130], 4, 16, 64, torch.float16, num_splits=num_splits, tile=tile)
+
+
+def test_the_sweep_space_holds_every_table_tile_and_fits_shared_memory():
+    for head_dim, tile in DECODE_TILES.items():
+        for dtype in (torch.float16, torch.bfloat16):
+            space = decode_sweep_space(head_dim, dtype)
+            assert tile in space, (head_dim, dtype)
+            assert all(2 * t.block_n * head_dim * 2 * t.num_stages <= 112 * 1024 for t in space)
+    assert decode_sweep_space(128, torch.float32) == [decode_tile(128, torch.float32)]
