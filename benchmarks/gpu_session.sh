@@ -18,8 +18,9 @@
 # (../shared/DESIGN.md), so `tests` runs the engine, kernel and benchmark tests that need no
 # Ray or Hydra, in parallel processes where pytest-xdist is installed (the image has it);
 # the grammar tests run where the call carries the wheels of gpu_wheels.sh, else they skip:
-#   bash benchmarks/gpu_wheels.sh     # here, once: .whl/ (about 7 MB), then carry: [".whl"] A dry run of `tests` here, in
-# the project's venv with the packages the image lacks made unimportable (gpu_dry_run/):
+#   bash benchmarks/gpu_wheels.sh     # here, once: .whl/ (about 8 MB), then carry: [".whl"]
+# A dry run of `tests` here, in the project's venv with the packages the image lacks made
+# unimportable (gpu_dry_run/):
 #   PYTHONPATH=benchmarks/gpu_dry_run PYTEST_ADDOPTS="-p no:hydra_pytest" PYTHON=.venv/bin/python \
 #     bash benchmarks/gpu_session.sh tests
 set -uo pipefail
@@ -82,7 +83,7 @@ parallel_args() {  # xdist by file (module fixtures build their models once); a 
 
 # The lines of a run's log worth reading in the summary.
 figures() {
-  grep -E "ms per token|output tok/s|roofline|outside the model|passed|failed|error|Error" \
+  grep -E "ms per token|output tok/s|roofline|outside the model|^(decode|prefill|extend) D=|passed|failed|FAILED|ERROR|Error" \
     "$logs/$1.log" | grep -v "^  " | tail -n 12 | sed 's/^/    /'
 }
 
