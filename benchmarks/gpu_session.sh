@@ -45,9 +45,10 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
        tests/test_structured_outputs.py tests/serve/test_engine_core.py
        tests/bench/test_throughput_shapes.py)
 # The runs in the order they are worth: batch-1 latency and nano-vllm's workload (the targets),
-# the suite, the kernels' table, then the variants that say what each part is worth.
-ALL=(latency_qwen3 nanovllm_qwen3 tests attention latency_llama3_8b nanovllm_qwen3_async
-     attention_sweep latency_qwen3_eager latency_qwen3_async attention_graph attention_autotune)
+# the suite, the kernels' table, batch-1 without graphs (what they buy, and a figure even if
+# capture fails), then the other variants and the tile sweeps.
+ALL=(latency_qwen3 nanovllm_qwen3 tests attention latency_qwen3_eager latency_llama3_8b
+     nanovllm_qwen3_async attention_sweep latency_qwen3_async attention_graph attention_autotune)
 
 # name -> "limit-seconds command..." (the command sees $logs/<name>.json for --json)
 spec() {
