@@ -141,6 +141,9 @@ def test_graph_mode_needs_nothing_but_the_static_buffers(llama_path, monkeypatch
     assert tokens == ref_tokens and ranks == ref_ranks
     np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=2e-5)
     assert {4, 6} <= set(runner.graphs.replays), runner.graphs.replays
+    capture = runner.graph_capture  # what the start-up reports (throughput.py prints it)
+    assert capture.sizes == len(runner.buckets) and capture.seconds > 0
+    assert capture.reserved_bytes == 0  # no CUDA memory on CPU
 
 
 # Graph replay against eager on a real GPU. fp32: cuBLAS may pick another kernel for a padded

@@ -20,7 +20,7 @@ import json
 import random
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import get_args
 
 import torch
@@ -63,7 +63,7 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
     engine_args = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens,
                    "attention_backend": args.backend, **engine_args}
-    llm = LLM(model, **engine_args)
+    llm, start_up = timed_start(lambda: LLM(model, **engine_args))
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate(work.prompts[:4], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
@@ -77,12 +77,33 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
     assert sum(len(o.outputs[0].token_ids) for o in outs) == work.output_tokens
     step = stats.step_seconds - before.step_seconds
     forward = stats.forward_seconds - before.forward_seconds
-    result = {"steps": stats.num_steps - before.num_steps, "step_seconds": step,
+    result = {**start_up, "steps": stats.num_steps - before.num_steps, "step_seconds": step,
               "forward_seconds": forward, "outside_forward_share": 1 - forward / step,
               "preemptions": stats.num_preemptions}
     if timer is not None:
         result["phases_us_per_token"] = dict(phase_table(timer.totals, step, forward, work.output_tokens))
     return elapsed, result
+
+
+def timed_start(make_llm) -> tuple[object, dict]:
+    """The engine, and its start-up: seconds to ready, and what its CUDA graphs cost."""
+    start = time.perf_counter()
+    llm = make_llm()
+    out = {"start_up_seconds": time.perf_counter() - start, "graph_capture": None}
+    runner = getattr(llm.llm_engine.executor, "runner", None)  # in-process executors only
+    if getattr(runner, "graph_capture", None) is not None:
+        out["graph_capture"] = asdict(runner.graph_capture)
+    return llm, out
+
+
+def format_start_up(result: dict) -> str:
+    line = f"start-up           {result['start_up_seconds']:8.1f} s"
+    capture = result.get("graph_capture")
+    if capture:
+        line += (f"  ({capture['sizes']} decode CUDA graphs in {capture['seconds']:.1f} s, "
+                 f"{capture['reserved_bytes'] / 2**30:.2f} GiB reserved of "
+                 f"{capture['budget_bytes'] / 2**30:.2f} GiB budgeted)")
+    return line
 
 
 def run_hf(model: str, work: Workload, args: argparse.Namespace) -> float:
@@ -232,14 +253,15 @@ def roofline(args: argparse.Namespace, cfg, work: Workload, steps: int, seconds:
 def run_latency(model: str, args: argparse.Namespace, cfg, extra: dict) -> dict:
     from flagserve import LLM
 
-    llm = LLM(model, dtype=args.dtype, attention_backend=args.backend, max_num_seqs=1, **extra)
+    llm, start_up = timed_start(lambda: LLM(model, dtype=args.dtype, attention_backend=args.backend,
+                                            max_num_seqs=1, **extra))
     rng = random.Random(args.seed)
     prompt = [rng.randrange(3, cfg.vocab_size) for _ in range(args.input_len[0])]
     decode_latency(llm, prompt, 4)  # warm-up
     per_step, steps = decode_latency(llm, prompt, args.output_len[1])
     work = Workload([prompt], [steps + 1])
     profiled = {"profile": profile_decode(llm, prompt, args.profile)} if args.profile else {}
-    return {"ms_per_token": per_step * 1e3, "decode_steps": steps,
+    return {**start_up, "ms_per_token": per_step * 1e3, "decode_steps": steps,
             **roofline(args, cfg, work, steps, per_step * steps), **profiled}
 
 
@@ -280,6 +302,7 @@ def report(args: argparse.Namespace, result: dict) -> None:
             print(f"HF generate        {result['hf_seconds']:8.2f} s  "
                   f"{result['hf_output_tps']:9.1f} output tok/s")
             print(f"ratio              {result['ratio']:8.2f} x")
+    print(format_start_up(result))
     print(f"roofline           {result['roofline_ratio']:8.1%} of the bandwidth floor "
           f"({result['floor_seconds']:.3g} s: {result['weight_bytes'] / 1e9:.3g} GB of weights per "
           f"step + {result['kv_bytes'] / 1e9:.3g} GB of KV at {result['bandwidth_gbs']:.0f} GB/s)")

@@ -4,7 +4,9 @@ The in-process engine (TP = PP = 1) and every shard worker run this same class; 
 differs by its ParallelContext: later pipeline stages receive activations instead of token
 ids, earlier ones send them on, and only the last stage's TP rank 0 samples.
 """
+import logging
 import time
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -15,7 +17,7 @@ from flagserve.engine.cpu_model import prepare_cpu_model
 from flagserve.engine.cpu_threads import ThreadTuner, tuning_enabled
 from flagserve.engine.engine_args import Dtype, EngineArgs
 from flagserve.engine.input_buffers import PreparedBatch, StepBuffers, bucket_for, decode_buckets
-from flagserve.engine.kv_budget import batched_tokens, capacity_blocks, kv_budget_bytes
+from flagserve.engine.kv_budget import batched_tokens, capacity_blocks, graph_pool_bytes, kv_budget_bytes
 from flagserve.engine.sampling_inputs import SeqSampling, sampling_batch
 from flagserve.engine.step_input import StepInput
 from flagserve.layers.sampler import DeviceSamples, Sampler, SamplerOutput, SamplingBatch
@@ -24,6 +26,16 @@ from flagserve.models.loader import load_model
 from kernels import KernelOps, get_ops
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GraphCapture:
+    """What capturing the decode CUDA graphs cost, as vLLM reports it at start-up."""
+    sizes: int
+    seconds: float
+    reserved_bytes: int  # device memory the warm-up and capture left reserved (the graphs' pool)
+    budget_bytes: int  # what kv_budget.graph_pool_bytes set aside for it
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,6 +89,7 @@ class ModelRunner:
         self.buckets: list[int] = []
         self.stage_inputs: torch.Tensor | None = None  # [2, rows, hidden]: padded later-stage input
         self.graphs = None  # cuda_graphs.DecodeGraphs in "graph" mode
+        self.graph_capture: GraphCapture | None = None
         self.thread_tuner = None  # CPU: one or all threads, by measurement (cpu_threads.py)
         if self.device.type == "cpu" and tuning_enabled(torch.get_num_threads()):
             self.thread_tuner = ThreadTuner((torch.get_num_threads(), 1), torch.set_num_threads)
@@ -119,8 +132,20 @@ class ModelRunner:
             self.stage_inputs = torch.zeros(2, self.buckets[-1], self.cfg.hidden_size,
                                             dtype=self.dtype, device=self.device)
         if mode == "graph":
-            from flagserve.engine.cuda_graphs import DecodeGraphs  # CUDA only
-            self.graphs = DecodeGraphs(self._padded_forward, self.buckets)
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        from flagserve.engine.cuda_graphs import DecodeGraphs  # CUDA only
+        cuda = self.device.type == "cuda"  # else a stand-in (tests)
+        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
+        start = time.perf_counter()
+        self.graphs = DecodeGraphs(self._padded_forward, self.buckets)
+        taken = torch.cuda.memory_reserved(self.device) - reserved if cuda else 0
+        capture = self.graph_capture = GraphCapture(len(self.buckets), time.perf_counter() - start,
+                                                    taken, graph_pool_bytes(self.args, self.cfg))
+        log.info("captured %d decode CUDA graphs (1-%d rows) in %.1f s: %.2f GiB reserved, %.2f GiB "
+                 "budgeted", capture.sizes, self.buckets[-1], capture.seconds,
+                 capture.reserved_bytes / 2**30, capture.budget_bytes / 2**30)
 
     def _padded_forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward of a padded decode step of `rows` rows, on the static buffers as they are."""

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from flagserve.bench.throughput import main, parse_args
+from flagserve.bench.throughput import format_start_up, main, parse_args
 from flagserve.bench.throughput_roofline import kv_bytes, kv_bytes_per_token, weight_bytes
 from flagserve.bench.throughput_shapes import PRESETS, write_shape
 from flagserve.models.config import load_model_config
@@ -69,7 +69,11 @@ def test_latency_mode(capsys, flags):
     # token 0 is the prefill's (with async scheduling the first decode is launched before it
     # lands, and one step runs past the end: as many steps)
     assert result["decode_steps"] == 3 and result["ms_per_token"] > 0
-    assert "ms per token" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ms per token" in out
+    # eager on CPU: no graphs to report, only the time to a ready engine
+    assert result["start_up_seconds"] > 0 and result["graph_capture"] is None
+    assert format_start_up(result) + "\n" in out
     assert result["args"]["max_model_len"] == 9 and torch.get_num_threads() >= 1
 
 
@@ -126,3 +130,10 @@ def test_load_format_is_checked():
     from flagserve import EngineArgs
     with pytest.raises(ValueError, match="EngineArgs.load_format must be one of"):
         EngineArgs(model="m", load_format="random")
+
+
+def test_start_up_line_reports_the_graphs_capture():
+    capture = dict(sizes=35, seconds=4.25, reserved_bytes=3 * 2**29, budget_bytes=2**31)
+    line = format_start_up({"start_up_seconds": 12.34, "graph_capture": capture})
+    assert line.endswith("12.3 s  (35 decode CUDA graphs in 4.2 s, 1.50 GiB reserved of "
+                         "2.00 GiB budgeted)")
