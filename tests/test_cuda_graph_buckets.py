@@ -43,6 +43,24 @@ def test_fill_exact_mixed_step():
     assert b.logits_indices.tolist() == [0, 1, 8]
 
 
+def test_fill_decode_only_step_and_reuse_of_its_views():
+    bufs = StepBuffers(max_tokens=32, max_seqs=4, max_blocks_per_seq=8, block_size=4,
+                       device=torch.device("cpu"))
+    bufs.fill(step_of([1, 1, 5, 2], [6, 0, 3, 0], [[7, 2], [5], [1, 3, 4], [6]], [0, 1, 3]))
+    # Decodes only (the fast path): a sampled subset, one not sampled (a chunk's last piece)
+    b = bufs.fill(step_of([1, 1, 1], [4, 9, 1], [[2, 3], [1, 3, 4], [6]], [0, 2]))
+    assert not b.padded and b.num_rows == b.num_tokens == 3 and b.meta.num_decode_tokens == 3
+    assert b.positions.tolist() == [4, 9, 1] and b.input_ids.tolist() == [100, 101, 102]
+    assert b.meta.slot_mapping.tolist() == [12, 17, 25]
+    assert b.meta.seq_lens.tolist() == [5, 10, 2] and b.meta.cu_seqlens_q.tolist() == [0]
+    assert b.logits_indices.tolist() == [0, 2]
+    # The same sizes next step: the same views, holding the new step's values
+    again = bufs.fill(step_of([1, 1, 1], [5, 10, 2], [[2, 3], [1, 3, 4], [6]], [0, 2]))
+    assert again is b and b.positions.tolist() == [5, 10, 2]
+    assert b.meta.slot_mapping.tolist() == [13, 18, 26]
+    assert bufs.fill(step_of([1, 1, 1], [5, 10, 2], [[2, 3], [1, 3, 4], [6]], [1])) is not b
+
+
 def test_fill_padded_decode_step():
     bufs = StepBuffers(max_tokens=32, max_seqs=4, max_blocks_per_seq=3, block_size=4,
                        device=torch.device("cpu"))
