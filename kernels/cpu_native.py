@@ -145,8 +145,9 @@ def rotary_store_kvcache_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.
                              q_norm_weight: torch.Tensor | None = None,
                              k_norm_weight: torch.Tensor | None = None,
                              eps: float = 0.0) -> torch.Tensor:
-    if q_norm_weight is not None:  # Qwen3's per-head norms: the reference's, then fused
-        q, k = rms_norm_torch(q, q_norm_weight, eps), rms_norm_torch(k, k_norm_weight, eps)
+    if q_norm_weight is not None:  # Qwen3's per-head norms, each head a row (then fused)
+        q = rms_norm_cpu(q.reshape(-1, q.shape[-1]), q_norm_weight, eps).view(q.shape)
+        k = rms_norm_cpu(k.reshape(-1, k.shape[-1]), k_norm_weight, eps).view(k.shape)
     torch.ops.flagserve_cpu.rotary_store_kvcache(positions, q, k, v, k_cache, v_cache,
                                                  slot_mapping, cos_sin_cache)
     return q

@@ -47,7 +47,8 @@ def test_silu_and_mul(rows, dtype):
 
 @DTYPES
 @pytest.mark.parametrize("tokens", [3, 100])
-def test_rotary_store_matches_reference(tokens, dtype):
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qwen3-qk-norm"])
+def test_rotary_store_matches_reference(tokens, dtype, qk_norm):
     heads, kv_heads, dim, block = 6, 2, 64, 16
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
@@ -56,11 +57,15 @@ def test_rotary_store_matches_reference(tokens, dtype):
     slots[1] = -1  # a padding row: rotated, never stored
     angles = torch.arange(512)[:, None] * 10000.0 ** (-torch.arange(0, dim, 2) / dim)
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    norms = {}
+    if qk_norm:  # Qwen3: each head normed first (the native norm over head-rows, then fused)
+        norms = dict(q_norm_weight=torch.rand(dim, generator=gen).to(dtype),
+                     k_norm_weight=torch.rand(dim, generator=gen).to(dtype), eps=1e-6)
     results = []
     for op in (cpu_native.rotary_store_kvcache_cpu, rotary_store_kvcache_torch):
         q, k, v = qkv.clone().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
         q, k, v = (t.view(tokens, -1, dim) for t in (q, k, v))  # strided views, as the engine's
         caches = [torch.zeros(8, block, kv_heads, dim, dtype=dtype) for _ in range(2)]
-        results.append((op(positions, q, k, v, *caches, slots, cos_sin), *caches))
+        results.append((op(positions, q, k, v, *caches, slots, cos_sin, **norms), *caches))
     for got, want in zip(*results):
         close(got, want, dtype)
