@@ -108,12 +108,13 @@ class StepBuffers:
         rows = pad_to or n  # sequences; padded steps are decode-only: one token per sequence
         lens = list(map(len, step.block_tables))
         width = self.max_blocks if pad_to else max(lens)
+        ones = int(np.count_nonzero(num_new == 1))
+        decode_only = ones == n  # one new token per sequence: no prefix sums needed
         tables = self._fill_tables(step.block_tables, lens, rows, width)
-        self._fill_tokens(step, num_new, tables, pad_to or step.num_tokens)
+        self._fill_tokens(step, num_new, tables, pad_to or step.num_tokens, decode_only)
         self.host["seq_lens"][n:rows] = 1
-        decode_only = step.num_tokens == n
-        num_decodes = pad_to or (n if decode_only else int(np.count_nonzero(num_new == 1)))
-        num_prefills = n - num_decodes if not pad_to else 0  # decodes come first
+        num_decodes = pad_to or ones  # decodes come first
+        num_prefills = n - num_decodes if not pad_to else 0
         cu = self.host["cu_seqlens_q"]
         cu[0] = 0
         if num_prefills:
@@ -140,10 +141,10 @@ class StepBuffers:
         return out
 
     def _fill_tokens(self, step: StepInput, num_new: np.ndarray, tables: np.ndarray,
-                     rows: int) -> None:
+                     rows: int, decode_only: bool) -> None:
         h, bs, t = self.host, self.block_size, step.num_tokens
         starts = np.asarray(step.start_positions, dtype=np.int64)
-        if t == len(num_new):  # decodes only: one token per sequence, at its start position
+        if decode_only:  # one token per sequence, at its start position
             pos, seq = starts, self._rows[:t]
         else:
             first_row = np.cumsum(num_new) - num_new
