@@ -169,8 +169,8 @@ def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
         if name == "auto":
             out = fn()
     if args.sweep_tiles:
-        row["tiles"] = sweep_tiles(args, out, fn_args=(q, k_cache, v_cache, tables, seq_lens, scale),
-                                   splits=variants["auto"])
+        row["table_tile"], row["tiles"] = sweep_tiles(
+            args, out, fn_args=(q, k_cache, v_cache, tables, seq_lens, scale), splits=variants["auto"])
     io_bytes = kv_bytes + 2 * q.numel() * elem + tables.numel() * 4  # K/V + q + out + table
     row["gbps"] = io_bytes / row["auto_us"] / 1e3
     row["peak"] = row["gbps"] / peak_gbps if peak_gbps else None
@@ -184,16 +184,17 @@ def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
     return row
 
 
-def sweep_tiles(args, out: torch.Tensor, fn_args: tuple, splits: int) -> dict:
-    """Tile -> microseconds on the wrapper's path, for every tile of the sweep space; NaN for
-    a tile that fails to compile or launch, or whose output differs from the table tile's
-    beyond rounding (reported, not timed: one bad tile must not end the sweep)."""
+def sweep_tiles(args, out: torch.Tensor, fn_args: tuple, splits: int) -> tuple[object, dict]:
+    """The table's tile, and tile -> microseconds on the wrapper's path for every tile of the
+    sweep space; NaN for a tile that fails to compile or launch, or whose output differs from
+    the table tile's beyond rounding (reported, not timed: one bad tile must not end the sweep)."""
     from kernels._triton_utils import next_pow2
-    from kernels.triton_attention_tuning import decode_sweep_space
+    from kernels.triton_attention_tuning import decode_sweep_space, decode_tile
     from kernels.triton_decode_attention import paged_decode_attention_triton
     q = fn_args[0]
+    block_d = next_pow2(q.shape[-1])
     times = {}
-    for tile in decode_sweep_space(next_pow2(q.shape[-1]), q.dtype):
+    for tile in decode_sweep_space(block_d, q.dtype):
         def fn(tile=tile):
             return paged_decode_attention_triton(*fn_args, num_splits=splits, tile=tile)
         try:
@@ -202,14 +203,15 @@ def sweep_tiles(args, out: torch.Tensor, fn_args: tuple, splits: int) -> dict:
         except Exception as exc:  # noqa: BLE001  (a tile the compiler or the GPU refuses)
             print(f"{'':>6} tile {tile_name(tile)} failed: {type(exc).__name__}: {exc}"[:200])
             times[tile] = float("nan")
-    return times
+    return decode_tile(block_d, q.dtype), times
 
 
 def tile_name(tile) -> str:
     return f"N{tile.block_n}/w{tile.num_warps}/s{tile.num_stages}"
 
 
-def format_sweep(row: dict, table_tile) -> str:
+def format_sweep(row: dict) -> str:
+    table_tile = row["table_tile"]
     timed = {t: us for t, us in row["tiles"].items() if not math.isnan(us)}  # NaN: wrong output
     wrong = [tile_name(t) for t in row["tiles"] if t not in timed]
     best = min(timed, key=timed.get)
@@ -222,9 +224,6 @@ def format_sweep(row: dict, table_tile) -> str:
 def summarize_sweep(rows: list[dict]) -> None:
     """Per head_dim: the tile with the best geometric-mean time over the swept shapes, against
     the table's (one tile per head_dim is what DECODE_TILES holds)."""
-    from kernels._triton_utils import next_pow2
-    from kernels.triton_attention_tuning import decode_tile
-
     def timed(row: dict, tile) -> bool:
         return not math.isnan(row["tiles"].get(tile, float("nan")))
 
@@ -237,7 +236,7 @@ def summarize_sweep(rows: list[dict]) -> None:
         def mean_log(tile, mine=mine):
             return sum(math.log(r["tiles"][tile]) for r in mine) / len(mine)
         best = min(tiles, key=mean_log)
-        table = decode_tile(next_pow2(head_dim), mine[0]["dtype"])
+        table = mine[0]["table_tile"]
         gain = math.exp(mean_log(table) - mean_log(best)) if table in tiles else float("nan")
         print(f"decode D={head_dim}: best tile over {len(mine)} shapes {tile_name(best)}, "
               f"{gain:.2f}x the table's {tile_name(table)} (geometric mean)")
@@ -256,13 +255,11 @@ def run_decode(args, shape: Shape, dtype, device, peak_gbps: float | None) -> li
             if row is None:
                 print(f"{batch:>6} {context:>8}  skipped: the K/V cache does not fit")
                 continue
-            row.update(head_dim=shape.head_dim, dtype=dtype)
+            row["head_dim"] = shape.head_dim
             rows.append(row)
             print(format_decode(row))
             if "tiles" in row:
-                from kernels._triton_utils import next_pow2
-                from kernels.triton_attention_tuning import decode_tile
-                print(format_sweep(row, decode_tile(next_pow2(shape.head_dim), dtype)))
+                print(format_sweep(row))
     return rows
 
 

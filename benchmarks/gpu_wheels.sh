@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The packages the lent GPU machine's image lacks that the engine and its tests use (xgrammar
-# and what it needs, jsonschema for the grammar tests), as CPython 3.12 x86-64 wheels in .whl/, at the versions of this
-# checkout's .venv (what CI tests). Run here before the device call, then name ".whl" in the
-# call's carry; gpu_session.sh installs them there. About 8 MB.
+# and what it needs, jsonschema for the grammar tests), as CPython 3.12 x86-64 wheels in
+# .whl/, at the versions of this checkout's .venv (what CI tests). Run here before the device
+# call, then name ".whl" in the call's carry; gpu_session.sh installs them there. About 8 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS=(xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection

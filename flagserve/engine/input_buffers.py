@@ -92,7 +92,7 @@ class StepBuffers:
         # copy still reads (pipeline stages other than the last never wait for the GPU).
         self.copied = torch.cuda.Event() if pinned else None
         self._upload({name: len(host) for name, host in self.host.items()})
-        self._rows = np.arange(max(max_seqs, max_tokens))
+        self._rows = np.arange(max_seqs)  # a decode-only step's sequence of each token
         # The views of a step's prefixes, by their sizes: a batch of the same sizes as an
         # earlier one reads the same addresses, and building nine views and the metadata cost
         # ~25 us a step (a third of a batch-1 fill).

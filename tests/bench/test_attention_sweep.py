@@ -18,13 +18,13 @@ OTHER, BROKEN = Tile(16, 32, 2, 3), Tile(16, 128, 8, 2)
 
 
 def rows() -> list[dict]:
-    base = dict(head_dim=64, dtype=torch.float16, auto_us=10.0)
+    base = dict(head_dim=64, table_tile=TABLE, auto_us=10.0)
     return [dict(base, tiles={TABLE: 10.0, OTHER: 8.0, BROKEN: math.nan}),
             dict(base, tiles={TABLE: 20.0, OTHER: 18.0, BROKEN: 1.0})]
 
 
 def test_a_shape_line_names_the_best_tile_and_the_failed_ones():
-    line = bench.format_sweep(rows()[0], TABLE)
+    line = bench.format_sweep(rows()[0])
     assert f"best N32/w2/s3 8.0 us, table {bench.tile_name(TABLE)} 10.0 us (1.25x)" in line
     assert "failed or wrong output: N128/w8/s2" in line
 
