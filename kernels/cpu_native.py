@@ -3,6 +3,8 @@
 - Decode attention reads the paged cache in place (cpu_paged_attention.cpp) instead of
   gathering every sequence's blocks into a dense copy for SDPA (decode_attention.py): on a
   full decode batch that copy is more bytes per step than the model's weights.
+- Prefill attention (cpu_paged_prefill.cpp, float32) reads the cache in place too, a tile
+  of query rows in the lanes of a vector, where SDPA per sequence ran at 0.4x its speed.
 - RMSNorm, residual add + RMSNorm, SiLU-and-mul and rotary + KV store are one pass each
   (cpu_elementwise.cpp) where the reference runs 5-15 torch ops.
 - The sampler's argmax and a grammar's token bitmask are one pass each over the logits
@@ -28,6 +30,7 @@ from typing import Literal, get_args
 import torch
 
 from kernels.backend import KernelOps
+from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.rms_norm import rms_norm_torch
 from kernels.sampling import apply_token_bitmask_torch, argmax_torch
 
@@ -117,6 +120,17 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                                           seq_lens, scale)
 
 
+def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    # float32 only: 16-bit CPU models are an option, and keep the reference.
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32) or q.stride(2) != 1:
+        return paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                             seq_lens, scale)
+    return torch.ops.flagserve_cpu.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                           cu_seqlens_q, seq_lens, scale)
+
+
 def _rows(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.stride(1) == 1
 
@@ -169,6 +183,7 @@ def native_ops(ops: KernelOps) -> KernelOps:
     """`ops` with every op that has a native CPU kernel replaced by it."""
     return dataclasses.replace(ops, name=f"{ops.name}+cpu-native",
                                paged_decode_attention=paged_decode_attention_cpu,
+                               paged_prefill_attention=paged_prefill_attention_cpu,
                                rms_norm=rms_norm_cpu, fused_add_rms_norm=fused_add_rms_norm_cpu,
                                silu_and_mul=silu_and_mul_cpu,
                                rotary_store_kvcache=rotary_store_kvcache_cpu,

@@ -53,3 +53,29 @@ def make_paged_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, he
 def clean(cache: torch.Tensor) -> torch.Tensor:
     """The reference multiplies masked V rows by zero weights, so it needs finite garbage."""
     return torch.nan_to_num(cache, nan=0.0)
+
+
+def check_prefill(attend, batch: list[tuple[int, int]], group: int, block_size: int,
+                  head_dim: int, dtype: torch.dtype, num_kv_heads: int = 2,
+                  garbage: float | None = None, seed: int = 0) -> None:
+    """`attend` (a paged prefill attention) against the torch reference on `batch`, a list of
+    (cached tokens, new tokens) per sequence."""
+    from kernels.prefill_attention import paged_prefill_attention_torch
+
+    seq_lens = [cached + new for cached, new in batch]
+    k_cache, v_cache, table = make_paged_cache(seq_lens, block_size, num_kv_heads, head_dim,
+                                               dtype, garbage=garbage, seed=seed)
+    q_lens = torch.tensor([new for _, new in batch])
+    cu_seqlens_q = torch.zeros(len(batch) + 1, dtype=torch.int32)
+    cu_seqlens_q[1:] = q_lens.cumsum(0)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(int(q_lens.sum()), num_kv_heads * group, head_dim, generator=gen)
+    q = q.to(DEVICE, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    cu_seqlens_q = cu_seqlens_q.to(DEVICE)
+    scale = head_dim ** -0.5
+    out = attend(q, k_cache, v_cache, table, cu_seqlens_q, lens, scale)
+    ref = paged_prefill_attention_torch(q, clean(k_cache), clean(v_cache), table, cu_seqlens_q,
+                                        lens, scale)
+    atol, rtol = ATTN_TOL[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)

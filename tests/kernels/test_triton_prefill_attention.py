@@ -1,7 +1,7 @@
 """Paged prefill / extend attention against the torch reference."""
 import pytest
 import torch
-from kernel_cases import ATTN_TOL, DEVICE, DTYPES, clean, make_paged_cache
+from kernel_cases import DEVICE, DTYPES, check_prefill, make_paged_cache
 
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.triton_attention_tuning import AUTOTUNE_ENV, autotune_enabled
@@ -15,23 +15,8 @@ MIXED_BATCH = [(0, 37), (45, 20), (99, 1), (0, 1), (32, 33), (16, 16), (3, 150),
 
 
 def run_case(batch, group, block_size, head_dim, dtype, garbage=None, seed=0):
-    seq_lens = [cached + new for cached, new in batch]
-    k_cache, v_cache, table = make_paged_cache(seq_lens, block_size, NUM_KV_HEADS, head_dim,
-                                               dtype, garbage=garbage, seed=seed)
-    q_lens = torch.tensor([new for _, new in batch])
-    cu_seqlens_q = torch.zeros(len(batch) + 1, dtype=torch.int32)
-    cu_seqlens_q[1:] = q_lens.cumsum(0)
-    gen = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn(int(q_lens.sum()), NUM_KV_HEADS * group, head_dim, generator=gen)
-    q = q.to(DEVICE, dtype)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    cu_seqlens_q = cu_seqlens_q.to(DEVICE)
-    scale = head_dim ** -0.5
-    out = paged_prefill_attention_triton(q, k_cache, v_cache, table, cu_seqlens_q, lens, scale)
-    ref = paged_prefill_attention_torch(q, clean(k_cache), clean(v_cache), table, cu_seqlens_q,
-                                        lens, scale)
-    atol, rtol = ATTN_TOL[dtype]
-    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    check_prefill(paged_prefill_attention_triton, batch, group, block_size, head_dim, dtype,
+                  NUM_KV_HEADS, garbage, seed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
