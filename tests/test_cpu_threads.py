@@ -82,6 +82,25 @@ def test_mixed_steps_of_similar_sizes_compare_per_token():
     assert tuner.best == 1
 
 
+def test_one_comparable_pair_switches_nothing():
+    tuner = make([])
+    run(tuner, {2: 1.0, 1: 1.0}, 10)
+    for tokens in (8, 8, 8, 64, 8, 64):  # only the first pair is comparable, 3x faster on one
+        tuner.start(tokens)
+        tuner.finish(0.3 if tuner.current == 2 else 0.1)
+    assert tuner.best == 2
+
+
+def test_a_switch_is_tried_again_soon():
+    """A switch on a noisy trial must not hold for a whole period of slow steps."""
+    tuner = ThreadTuner((2, 1), [].append, period=64, pairs=3, first=8)
+    run(tuner, {2: 0.2, 1: 0.1}, 8 + 6)  # first trial: one thread wins
+    assert tuner.best == 1
+    used = run(tuner, {2: 0.1, 1: 0.2}, 8 + 6)  # the next trial after 8 steps, not 64
+    assert used[:8] == [1] * 8 and sorted(used[8:]) == [1, 1, 1, 2, 2, 2]
+    assert tuner.best == 2
+
+
 def test_enabled_only_with_several_threads():
     assert tuning_enabled(2, {}) and not tuning_enabled(1, {})
     assert not tuning_enabled(2, {"FLAGSERVE_CPU_THREAD_TUNING": "off"})

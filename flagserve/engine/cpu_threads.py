@@ -10,8 +10,11 @@ steps ran faster per token by more than `margin`. Only a pair whose token counts
 steps of one batch size in a row (arrivals put prefill tokens into nearly every step), so
 requiring that left the tuner idle exactly where it was needed. The trial costs the slower
 count's extra time on a few steps out of `period`, so each trial that keeps the count doubles
-the wait before the next (up to `max_period`: ~4% of a quiet server's throughput at 64 steps),
-and a switch starts again from `period`. Steps of more than `max_tokens` (a burst's long
+the wait before the next (up to `max_period`: ~4% of a quiet server's throughput at 64 steps).
+A switch needs `min_pairs` comparable pairs and is tried again after `first` steps: served
+SmolLM2 went to one thread on a single pair in its first second and stayed there ~50 s (a
+period of its slow steps) at two thirds of the throughput (docs/performance.md, CPU,
+2026-11-26), so a switch is now confirmed or undone at once. Steps of more than `max_tokens` (a burst's long
 prefills) never take part: one of them run on the slower count costs seconds.
 
 FLAGSERVE_CPU_THREAD_TUNING=on (default where the engine has more than one thread) | off.
@@ -38,11 +41,13 @@ def tuning_enabled(num_threads: int, env: dict[str, str] | None = None) -> bool:
 class ThreadTuner:
     def __init__(self, counts: tuple[int, int], set_threads: Callable[[int], None],
                  period: int = 64, pairs: int = 3, margin: float = 0.05, similar: float = 1.25,
-                 first: int = 8, max_period: int = 512, max_tokens: int = 512):
+                 first: int = 8, max_period: int = 512, max_tokens: int = 512,
+                 min_pairs: int = 2):
         self.counts, self.set_threads = counts, set_threads
         self.best, self.current = counts[0], counts[0]
         self.period, self.pairs, self.margin, self.similar = period, pairs, margin, similar
         self.base_period, self.max_period, self.max_tokens = period, max_period, max_tokens
+        self.first, self.min_pairs = first, min_pairs
         # steps since the last trial ended; the first trial comes after `first` steps, not a
         # whole period: a loaded server's steps take up to a second each
         self.since_trial = period - first
@@ -77,17 +82,17 @@ class ThreadTuner:
             best, self.best = self.best, self._winner()
             kept = best == self.best
             self.period = min(2 * self.period, self.max_period) if kept else self.base_period
-            self.since_trial = 0
+            self.since_trial = 0 if kept else self.period - self.first
 
     def _winner(self) -> int:
         """The other count if its steps took less time per token than the best's, pair by
-        pair (pairs of similar token counts only)."""
+        pair (pairs of similar token counts only, at least `min_pairs` of them)."""
         speedups = []
         for a, b in zip(self.samples[::2], self.samples[1::2]):
             if max(a[0], b[0]) <= self.similar * min(a[0], b[0]):  # comparable steps
                 mine, other = (a, b) if a[1] == self.best else (b, a)
                 speedups.append((mine[2] / mine[0]) / (other[2] / other[0]))
-        speedup = statistics.median(speedups) if speedups else 1.0
+        speedup = statistics.median(speedups) if len(speedups) >= self.min_pairs else 1.0
         if speedup > 1 + self.margin:
             other = next(c for c in self.counts if c != self.best)
             log.info("torch threads %d -> %d: its steps ran %.2fx as fast per token (median of "
