@@ -72,20 +72,37 @@ inline float exp_sum(float* x, int64_t n, float m) {
   return s;
 }
 
-// f(first token, offset of its row, rows) for each block of cached positions [0, len).
-template <typename F>
-inline void for_blocks(const int32_t* table, int64_t len, const Layout& l, F&& f) {
-  for (int64_t start = 0, b = 0; start < len; start += l.block_size, ++b)
+// Asks for a block's rows of one head (`rows` points at its first) to be brought into L2.
+// Blocks are scattered, so the hardware prefetcher loses the stream at every block boundary:
+// asking for the next block while this one is read made decode attention over 64 sequences
+// of 200-400 tokens 1.6x faster (12-13 -> 20 GB/s of K/V; K alone 1.3x).
+template <typename T>
+inline void prefetch_rows(const T* rows, const Layout& l) {
+  constexpr int64_t line = 64 / sizeof(T);
+  for (int64_t i = 0; i < l.block_size; ++i)
+    for (int64_t d = 0; d < l.head_dim; d += line)
+      __builtin_prefetch(rows + i * l.token_stride + d, 0, 2);
+}
+
+// f(first token, offset of its row, rows) for each block of cached positions [0, len);
+// with `head` (the cache at this head's first row), the next block is prefetched first.
+template <typename F, typename T = float>
+inline void for_blocks(const int32_t* table, int64_t len, const Layout& l, F&& f,
+                       const T* head = nullptr) {
+  for (int64_t start = 0, b = 0; start < len; start += l.block_size, ++b) {
+    if (head != nullptr && start + l.block_size < len) prefetch_rows(head + table[b + 1] * l.block_stride, l);
     f(start, table[b] * l.block_stride, std::min(l.block_size, len - start));
+  }
 }
 
 // f(t, offset of row t in the cache) for t in [0, len), block by block: a division per
 // token (t / block_size with a runtime block size) cost as much as the row's dot product.
-template <typename F>
-inline void for_rows(const int32_t* table, int64_t len, const Layout& l, F&& f) {
+template <typename F, typename T = float>
+inline void for_rows(const int32_t* table, int64_t len, const Layout& l, F&& f,
+                     const T* head = nullptr) {
   for_blocks(table, len, l, [&](int64_t start, int64_t base, int64_t n) {
     for (int64_t j = 0; j < n; ++j) f(start + j, base + j * l.token_stride);
-  });
+  }, head);
 }
 
 #ifdef FLAGSERVE_QK8
@@ -133,11 +150,11 @@ inline void qk_scores(const float* qf, const T* k, const int32_t* table, int64_t
         qk8(qf, kf, rows, l, scores, len, start + j);
       }
       for (; j < n; ++j) one(start + j, base + j * l.token_stride);
-    });
+    }, kf);
     return;
   }
 #endif
-  for_rows(table, len, l, one);
+  for_rows(table, len, l, one, k);
 }
 
 // acc[g] = sum over t of p[g, t] * V[t] for float32 caches, 4 vectors of a row at a time:
@@ -157,7 +174,7 @@ inline void weighted_rows(const float* v, const int32_t* table, int64_t len, con
         a1 = at::vec::fmadd(pt, Vec::loadu(r + Vec::size()), a1);
         a2 = at::vec::fmadd(pt, Vec::loadu(r + 2 * Vec::size()), a2);
         a3 = at::vec::fmadd(pt, Vec::loadu(r + 3 * Vec::size()), a3);
-      });
+      }, g == 0 && c == 0 ? v : nullptr);  // later passes find the rows in L2
       float* out = acc + g * l.head_dim + c;
       a0.store(out);
       a1.store(out + Vec::size());
@@ -188,7 +205,7 @@ void attend(const float* qf, const T* k, const T* v, const int32_t* table, int64
     for_rows(table, len, l, [&](int64_t t, int64_t row) {
       const float* vr = as_float<T>(v + row, D, tmp);
       for (int64_t g = 0; g < G; ++g) axpy(scores[g * len + t], vr, acc + g * D, D);
-    });
+    }, v);
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * out_stride + d] = static_cast<T>(acc[g * D + d] * inv[g]);
