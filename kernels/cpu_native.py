@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 CpuKernels = Literal["auto", "native", "torch"]
 KERNELS_ENV = "FLAGSERVE_CPU_KERNELS"
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("cpu_*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("cpu_*.h"))  # in the build key too
 CACHE = Path.home() / ".cache" / "flagserve" / "cpu-kernels"
 
 
@@ -62,7 +63,7 @@ def _capability(flags: str) -> list[str]:
 
 def _build_name() -> str:
     key = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     return f"flagserve_cpu_kernels_{key.hexdigest()[:12]}"
 

@@ -14,8 +14,8 @@ the wait before the next (up to `max_period`: ~4% of a quiet server's throughput
 A switch needs `min_pairs` comparable pairs and is tried again after `first` steps: served
 SmolLM2 went to one thread on a single pair in its first second and stayed there ~50 s (a
 period of its slow steps) at two thirds of the throughput (docs/performance.md, CPU,
-2026-11-26), so a switch is now confirmed or undone at once. Steps of more than `max_tokens` (a burst's long
-prefills) never take part: one of them run on the slower count costs seconds.
+2026-11-26), so a switch is now confirmed or undone at once. Steps of more than `max_tokens`
+(a burst's long prefills) never take part: one of them run on the slower count costs seconds.
 
 FLAGSERVE_CPU_THREAD_TUNING=on (default where the engine has more than one thread) | off.
 """

@@ -11,6 +11,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "cpu_paged_blocks.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -24,6 +26,7 @@
 
 namespace {
 
+using paged::for_blocks;
 using Vec = at::vec::Vectorized<float>;
 
 struct Layout {
@@ -70,29 +73,6 @@ inline float exp_sum(float* x, int64_t n, float m) {
   float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
   for (; i < n; ++i) s += (x[i] = std::exp(x[i] - m));
   return s;
-}
-
-// Asks for a block's rows of one head (`rows` points at its first) to be brought into L2.
-// Blocks are scattered, so the hardware prefetcher loses the stream at every block boundary:
-// asking for the next block while this one is read made decode attention over 64 sequences
-// of 200-400 tokens 1.6x faster (12-13 -> 20 GB/s of K/V; K alone 1.3x).
-template <typename T>
-inline void prefetch_rows(const T* rows, const Layout& l) {
-  constexpr int64_t line = 64 / sizeof(T);
-  for (int64_t i = 0; i < l.block_size; ++i)
-    for (int64_t d = 0; d < l.head_dim; d += line)
-      __builtin_prefetch(rows + i * l.token_stride + d, 0, 2);
-}
-
-// f(first token, offset of its row, rows) for each block of cached positions [0, len);
-// with `head` (the cache at this head's first row), the next block is prefetched first.
-template <typename F, typename T = float>
-inline void for_blocks(const int32_t* table, int64_t len, const Layout& l, F&& f,
-                       const T* head = nullptr) {
-  for (int64_t start = 0, b = 0; start < len; start += l.block_size, ++b) {
-    if (head != nullptr && start + l.block_size < len) prefetch_rows(head + table[b + 1] * l.block_stride, l);
-    f(start, table[b] * l.block_stride, std::min(l.block_size, len - start));
-  }
 }
 
 // f(t, offset of row t in the cache) for t in [0, len), block by block: a division per

@@ -17,6 +17,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "cpu_paged_blocks.h"
+
 #include <algorithm>
 #include <atomic>
 #include <limits>
@@ -25,6 +27,7 @@
 
 namespace {
 
+using paged::for_blocks;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t R = Vec::size();                 // query rows per tile: one per lane
 constexpr int64_t RB = Vec::size() == 16 ? 4 : 2;  // rows per register block of the output pass
@@ -38,13 +41,6 @@ struct Tile {
   int64_t seq, first, rows;  // sequence, its first query row in the tile, rows in the tile
   int64_t ctx;               // cached positions the tile's last row attends to
 };
-
-// f(first token, offset of its row, rows) for each cache block of positions [0, len).
-template <typename F>
-inline void for_blocks(const int32_t* table, int64_t len, const Cache& c, F&& f) {
-  for (int64_t start = 0, b = 0; start < len; start += c.block_size, ++b)
-    f(start, table[b] * c.block_stride, std::min(c.block_size, len - start));
-}
 
 // s[t] = sum over d of qt[d] * K[t][d] for N cached rows t, in one pass over qt
 // (independent accumulators: an FMA's latency is several of its issue slots).
