@@ -44,11 +44,12 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
        tests/test_disaggregation_gloo.py tests/test_shard_weights.py
        tests/test_structured_outputs.py tests/serve/test_engine_core.py
        tests/bench/test_throughput_shapes.py)
-# The runs in the order they are worth: batch-1 latency and nano-vllm's workload (the targets),
-# the suite, the kernels' table, batch-1 without graphs (what they buy, and a figure even if
-# capture fails), then the other variants and the tile sweeps.
-ALL=(latency_qwen3 nanovllm_qwen3 tests attention latency_qwen3_eager latency_llama3_8b
-     nanovllm_qwen3_async attention_sweep latency_qwen3_async attention_graph attention_autotune)
+# The runs in the order they are worth: batch-1 latency and nano-vllm's workload (the targets,
+# with the engine's defaults: CUDA graphs and async scheduling), the suite, the kernels' table,
+# the 8B shape, step by step (what async scheduling buys), batch-1 without graphs (what they
+# buy, and a figure even if capture fails), then the tile sweeps.
+ALL=(latency_qwen3 nanovllm_qwen3 tests attention latency_llama3_8b nanovllm_qwen3_sync
+     latency_qwen3_sync latency_qwen3_eager attention_autotune attention_sweep attention_graph)
 
 # name -> "limit-seconds command..." (the command sees $logs/<name>.json for --json)
 spec() {
@@ -56,12 +57,12 @@ spec() {
   case "$1" in
     latency_qwen3) echo 90 "$py" "${QWEN3[@]}" "${LATENCY[@]}" --profile 16 $json ;;
     latency_qwen3_eager) echo 60 "$py" "${QWEN3[@]}" "${LATENCY[@]}" --enforce-eager $json ;;
-    latency_qwen3_async) echo 60 "$py" "${QWEN3[@]}" "${LATENCY[@]}" --async-scheduling $json ;;
+    latency_qwen3_sync) echo 60 "$py" "${QWEN3[@]}" "${LATENCY[@]}" --no-async-scheduling $json ;;
     latency_llama3_8b) echo 90 "$py" benchmarks/throughput.py --shape llama3-8b --dtype bfloat16 \
       "${LATENCY[@]}" $json ;;
-    nanovllm_qwen3) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases $json ;;
-    nanovllm_qwen3_async) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases \
-      --async-scheduling $json ;;
+    nanovllm_qwen3) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases --profile 8 $json ;;
+    nanovllm_qwen3_sync) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases \
+      --no-async-scheduling $json ;;
     attention) echo 120 "$py" benchmarks/attention.py --dtype bfloat16 ;;
     # Every decode tile of the sweep space on a few shapes: what retuning DECODE_TILES needs.
     attention_sweep) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 --only decode \

@@ -130,8 +130,23 @@ def test_deltas_and_aborts(llama_path, prompts):
 def test_needs_the_engine_in_one_process(layout):
     with pytest.raises(ValueError, match="EngineArgs.async_scheduling needs the engine in one process"):
         EngineArgs(model="m", async_scheduling=True, **layout)
-    with pytest.raises(ValueError, match="EngineArgs.async_scheduling must be true or false"):
+    with pytest.raises(ValueError, match="EngineArgs.async_scheduling must be true, false or null"):
         EngineArgs(model="m", async_scheduling="yes")
+    assert not EngineArgs(model="m", **layout).overlaps_steps("cuda")  # auto: off where it can't
+
+
+def test_auto_is_on_for_cuda_in_one_process_only():
+    auto = EngineArgs(model="m")
+    assert auto.async_scheduling is None
+    assert auto.overlaps_steps("cuda") and not auto.overlaps_steps("cpu")
+    assert not auto.overlaps_steps("cuda", kv_transport=object())  # a given transport: no overlap
+    assert EngineArgs(model="m", async_scheduling=True).overlaps_steps("cpu")
+    assert not EngineArgs(model="m", async_scheduling=False).overlaps_steps("cuda")
+
+
+def test_engine_resolves_auto_by_its_device(llama_path):
+    llm = LLM(llama_path, dtype="float32", device="cpu")
+    assert llm.llm_engine.async_scheduling is False
 
 
 def test_prefix_cache_sees_the_blocks_completed_by_pending_tokens(llama_path, prompts):

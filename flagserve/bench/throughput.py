@@ -25,7 +25,7 @@ from typing import get_args
 
 import torch
 
-from flagserve.bench.throughput_latency import decode_latency, profile_decode
+from flagserve.bench.throughput_latency import decode_latency, profile_batch_decode, profile_decode
 from flagserve.bench.throughput_phases import PhaseTimer, phase_table
 from flagserve.bench.throughput_roofline import (
     floor_seconds,
@@ -82,6 +82,8 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
               "preemptions": stats.num_preemptions}
     if timer is not None:
         result["phases_us_per_token"] = dict(phase_table(timer.totals, step, forward, work.output_tokens))
+    if getattr(args, "profile", 0):
+        result["profile"] = profile_batch_decode(llm, work.prompts[:args.max_num_seqs], args.profile)
     return elapsed, result
 
 
@@ -180,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batch-1 decode instead: one prompt of --input-len MIN tokens, "
                              "--output-len MAX tokens, ms per token")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="with --latency: also print a torch profile of STEPS decode steps")
+                        help="also print a torch profile of STEPS decode steps (throughput runs: "
+                             "of the whole batch decoding together, after the timed run)")
     parser.add_argument("--phases", action="store_true",
                         help="also time each phase of the engine step (host work per output token)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -190,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: the model's; with --shape, the longest request")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="prepare each step while the device runs the one before")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        help="prepare each step while the device runs the one before "
+                             "(default: the engine's, on for CUDA)")
     parser.add_argument("--bandwidth-gbs", type=float,
                         help="memory bandwidth of the roofline (default: measured by a device copy)")
     parser.add_argument("--hf-batch-size", type=int, default=0,
@@ -209,8 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-layers takes a positive count and needs --shape")
     if args.phases and args.latency:
         parser.error("--phases times the throughput run; leave out --latency")
-    if args.profile and not (args.latency and args.profile > 0):
-        parser.error("--profile takes a positive number of steps and needs --latency")
+    if args.profile < 0:
+        parser.error("--profile takes a positive number of steps")
     for name in ("input_len", "output_len"):
         low, high = getattr(args, name)
         if not 1 <= low <= high:
@@ -285,8 +289,6 @@ def report(args: argparse.Namespace, result: dict) -> None:
         print(f"batch-1 decode: prompt {a.input_len[0]} tokens, {result['decode_steps']} decode "
               f"steps, {a.dtype}, {result['device']}")
         print(f"FlagServe          {result['ms_per_token']:8.3f} ms per token")
-        if "profile" in result:
-            print(f"profile of {a.profile} decode steps:\n{result['profile']}")
     else:
         print(f"workload: {a.num_seqs} requests, prompts {a.input_len[0]}-{a.input_len[1]} tokens, "
               f"outputs {a.output_len[0]}-{a.output_len[1]} tokens ({result['output_tokens']} in "
@@ -302,6 +304,9 @@ def report(args: argparse.Namespace, result: dict) -> None:
             print(f"HF generate        {result['hf_seconds']:8.2f} s  "
                   f"{result['hf_output_tps']:9.1f} output tok/s")
             print(f"ratio              {result['ratio']:8.2f} x")
+    if "profile" in result:
+        rows = "batch-1" if a.latency else f"{min(a.num_seqs, a.max_num_seqs)}-sequence"
+        print(f"profile of {a.profile} {rows} decode steps:\n{result['profile']}")
     print(format_start_up(result))
     print(f"roofline           {result['roofline_ratio']:8.1%} of the bandwidth floor "
           f"({result['floor_seconds']:.3g} s: {result['weight_bytes'] / 1e9:.3g} GB of weights per "

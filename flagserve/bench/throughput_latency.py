@@ -1,6 +1,7 @@
 """Batch-1 decode latency: one request alone, milliseconds per output token after the first;
-optionally a torch profile of some of those steps, so that a run on a lent GPU says where the
-time goes (host or device, which ops) without another run."""
+optionally a torch profile of some of those steps (or of a throughput run's batch decoding
+together), so that a run on a lent GPU says where the time goes (host or device, which ops)
+without another run."""
 import time
 
 import torch
@@ -23,13 +24,39 @@ def decode_latency(llm, prompt: list[int], new_tokens: int) -> tuple[float, int]
 def profile_decode(llm, prompt: list[int], steps: int, rows: int = 25) -> str:
     """torch.profiler's table of `steps` decode steps of `prompt` alone (CUDA kernels too on a
     GPU), by self time on the device where there is one: the ops worth making faster."""
+    engine = _prefilled(llm, prompt, steps + 1)
+    return _profiled_steps(engine, steps, rows)
+
+
+def profile_batch_decode(llm, prompts: list[list[int]], steps: int, rows: int = 25) -> str:
+    """The same table for `steps` steps of all `prompts` decoding together (after every prompt
+    is prefilled: steps of the throughput run's batch); the requests are aborted afterwards."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    ids = [f"profile-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(seq.num_computed_tokens < seq.num_prompt_tokens
+                                   for seq in scheduler.running):
+        engine.step()
+    table = _profiled_steps(engine, steps, rows)
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return table
+
+
+def _profiled_steps(engine, steps: int, rows: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    engine = _prefilled(llm, prompt, steps + 1)
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        while engine.has_unfinished():
+        for _ in range(steps):
+            if not engine.has_unfinished():
+                break
             engine.step()
         if cuda:
             torch.cuda.synchronize()

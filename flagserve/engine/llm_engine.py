@@ -15,6 +15,7 @@ from flagserve.engine.kv_transfer.exports import check_handoff_params
 from flagserve.engine.kv_transfer.handoff import RequestHandoff
 from flagserve.engine.kv_transfer.link import link_engine
 from flagserve.engine.kv_transfer.transport import KVEndpoint, TransferStats
+from flagserve.engine.model_runner import resolve_device
 from flagserve.engine.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from flagserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -75,7 +76,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         # In this process with TP = PP = 1, else TP x PP shard workers under Ray.
         self.executor = make_executor(args, cfg, self.max_model_len, tuple(eos))
-        self.step_inputs = StepInputBuilder(args.async_scheduling)
+        self.async_scheduling = args.overlaps_steps(resolve_device(args.device).type, kv_transport)
+        self.step_inputs = StepInputBuilder(self.async_scheduling)
         # Async scheduling: the step on the device (its sampled sequences and samples)
         self._in_flight: tuple[list[Sequence], DeviceSamples] | None = None
         self.block_manager = BlockManager(self.executor.num_kv_blocks, args.block_size,
@@ -238,7 +240,7 @@ class LLMEngine:
         step = self.step_inputs.build(batch)
         sampled = [batch.seqs[i] for i in step.sample_indices]
         step.token_bitmask = self.structured.bitmask(sampled)
-        overlap = self.args.async_scheduling and step.token_bitmask is None and step.output_token_ids is None
+        overlap = self.async_scheduling and step.token_bitmask is None and step.output_token_ids is None
         samples = self.executor.launch(step) if overlap else self.executor.execute(step)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -266,7 +268,7 @@ class LLMEngine:
     def _live(self, seqs: list[Sequence], out: SamplerOutput) -> tuple[list[Sequence], SamplerOutput]:
         """Without the rows of sequences that ended while their step ran (async scheduling:
         they ran one step past their end, or were aborted): those samples are void."""
-        if not self.args.async_scheduling:
+        if not self.async_scheduling:
             return seqs, out
         rows = [i for i, seq in enumerate(seqs) if not seq.is_finished]
         if len(rows) == len(seqs):

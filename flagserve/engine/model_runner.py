@@ -137,6 +137,9 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         from flagserve.engine.cuda_graphs import DecodeGraphs  # CUDA only
         cuda = self.device.type == "cuda"  # else a stand-in (tests)
+        if cuda:  # torch.cuda.graph empties the cache on entry: measure from an empty one too
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
         start = time.perf_counter()
         self.graphs = DecodeGraphs(self._padded_forward, self.buckets)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flagserve.bench.throughput import format_start_up, main, parse_args
+from flagserve.bench.throughput_latency import profile_batch_decode
 from flagserve.bench.throughput_roofline import kv_bytes, kv_bytes_per_token, weight_bytes
 from flagserve.bench.throughput_shapes import PRESETS, write_shape
 from flagserve.models.config import load_model_config
@@ -19,7 +20,6 @@ QUICK = ["--shape", "qwen3-0.6b", "--num-layers", "1", "--bandwidth-gbs", "10"]
     (["--num-layers", "2"], "needs --shape"),
     (["--shape", "llama3-8b", "--num-layers", "0"], "positive"),
     (["--input-len", "9", "3"], "MIN <= MAX"),
-    (["--profile", "4"], "needs --latency"),
     (["--latency", "--profile", "-2"], "positive"),
     (["--latency", "--phases"], "leave out --latency"),
 ])
@@ -71,8 +71,14 @@ def test_latency_mode(capsys, flags):
     assert result["decode_steps"] == 3 and result["ms_per_token"] > 0
     out = capsys.readouterr().out
     assert "ms per token" in out
-    # eager on CPU: no graphs to report, only the time to a ready engine
-    assert result["start_up_seconds"] > 0 and result["graph_capture"] is None
+    # eager on CPU: no graphs to report, only the time to a ready engine; on CUDA one bucket
+    # (batch 1), its pool measured from an emptied cache (never negative)
+    capture = result["graph_capture"]
+    assert result["start_up_seconds"] > 0
+    if torch.cuda.is_available():
+        assert capture["sizes"] == 1 and capture["reserved_bytes"] >= 0
+    else:
+        assert capture is None
     assert format_start_up(result) + "\n" in out
     assert result["args"]["max_model_len"] == 9 and torch.get_num_threads() >= 1
 
@@ -81,8 +87,26 @@ def test_latency_profile(capsys):
     result = main(QUICK + ["--latency", "--input-len", "5", "5", "--output-len", "4", "4",
                            "--profile", "3"])
     out = capsys.readouterr().out
-    assert "profile of 3 decode steps" in out and "Self CPU" in out
+    assert "profile of 3 batch-1 decode steps" in out and "Self CPU" in out
     assert "aten::" in result["profile"] or "flagserve" in result["profile"]  # the ops are named
+
+
+def test_throughput_profile_of_the_batch(capsys):
+    """--profile in a throughput run: the whole batch decoding, after the timed run."""
+    result = main(QUICK + ["--num-seqs", "3", "--input-len", "4", "9", "--output-len", "2", "5",
+                           "--profile", "2"])
+    out = capsys.readouterr().out
+    assert "profile of 2 3-sequence decode steps" in out and "aten::" in result["profile"]
+
+
+def test_batch_profile_leaves_the_engine_empty(llama_path):
+    from flagserve import LLM
+    llm = LLM(llama_path, dtype="float32", enable_prefix_caching=False)
+    blocks = llm.llm_engine.block_manager
+    free = blocks.num_free_blocks
+    table = profile_batch_decode(llm, [[5, 6, 7], list(range(3, 40))], 3)
+    assert "Self CPU" in table
+    assert not llm.llm_engine.has_unfinished() and blocks.num_free_blocks == free
 
 
 def test_phases_split_the_step_time(capsys):
