@@ -1,9 +1,10 @@
 """Launch settings of the Triton attention kernels, in one place to retune on a GPU.
 
-None of these were measured on a GPU when written: they follow the register and shared-memory
-budgets of an H100 (sm_90: 64K 32-bit registers and 228 KB shared memory per SM, at most 255
-registers per thread), the way FlashAttention-style Triton kernels size their tiles. Every
-entry compiles for sm_90 without register spills (tests/kernels/sm90_compile.py checks).
+They were written from the register and shared-memory budgets of an H100 (sm_90: 64K 32-bit
+registers and 228 KB shared memory per SM, at most 255 registers per thread), the way
+FlashAttention-style Triton kernels size their tiles, and changed where a GPU measured better
+(each entry's comment says which). Every entry compiles for sm_90 without register spills
+unless it is marked as measured with them (tests/kernels/sm90_compile.py checks).
 benchmarks/attention.py prints both decode paths and prefill per head_dim against SDPA, which
 is what a retune needs; FLAGSERVE_TRITON_AUTOTUNE=1 lets triton.autotune pick prefill tiles
 on CUDA instead (keyed on head_dim, GQA group, dtype and a token-count bucket).
@@ -23,6 +24,9 @@ class Tile:
     block_n: int  # cached positions per inner-loop step
     num_warps: int
     num_stages: int  # K/V tiles in flight (software pipelining through shared memory)
+    # Compiles for sm_90 with register spills, kept because it measured faster than the
+    # spill-free tiles (tests/kernels/sm90_compile.py allows its spills, no others').
+    spills: bool = False
 
 
 # Decode is bandwidth-bound with only 16 (padded) query rows: registers and shared memory go
@@ -34,14 +38,13 @@ DECODE_TILES = {64: Tile(16, 64, 4, 3), 128: Tile(16, 64, 4, 2), 256: Tile(16, 3
 DECODE_TILE_FP32 = Tile(16, 16, 4, 2)  # IEEE FMA dots: registers, not bandwidth, bind
 
 # Prefill is compute-bound: BLOCK_M x head_dim of fp32 accumulator, the q tile and the
-# BLOCK_M x BLOCK_N scores live in registers through the KV loop, so rows x head_dim sets the
-# warps. 128 rows (two m64 MMAs per warpgroup) over 8 warps: head_dim 128 keeps the
-# accumulator at 64 registers per thread (~195 in all); head_dim 64 at 4 warps would compile
-# to 249 of the 255 registers a thread may have (one change from spilling), so it keeps 8
-# warps too (~125) and more programs per SM. 3 stages of 64-key K/V tiles: 48 KB (head_dim
-# 64) and 96 KB (128) of shared memory, deep enough to hide the paged gather's latency.
-# head_dim 256: 64 rows x 256 over 8 warps, 32-key tiles, 2 stages (64 KB).
-PREFILL_TILES = {64: Tile(128, 64, 8, 3), 128: Tile(128, 64, 8, 3), 256: Tile(64, 32, 8, 2)}
+# BLOCK_M x BLOCK_N scores live in registers through the KV loop. Written from register budgets
+# first (8 warps, 64-key tiles, 3 stages, no spills); then measured on an H200
+# (benchmarks/attention.py with FLAGSERVE_TRITON_AUTOTUNE=1, docs/performance.md "GPU"):
+# 32-key tiles over 4 warps and 2 stages beat them by 1.15-1.25x at head_dim 128 and 2x at
+# 256, despite 64-120 bytes of spills; at 64 the table's entry stayed as fast or faster.
+PREFILL_TILES = {64: Tile(128, 64, 8, 3), 128: Tile(128, 32, 4, 2, spills=True),
+                 256: Tile(64, 32, 4, 2, spills=True)}
 PREFILL_TILE_FP32 = Tile(32, 16, 8, 2)  # IEEE FMA dots need far more registers
 
 

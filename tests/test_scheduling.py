@@ -77,7 +77,8 @@ def test_unchunked_budget_must_hold_a_prompt(llama_path):
 
 
 def test_requests_join_and_leave_every_step(llama_path):
-    engine = LLMEngine(EngineArgs(model=llama_path, dtype="float32"))
+    # Step by step (async scheduling, on by default on CUDA, lands each step's tokens a step later)
+    engine = LLMEngine(EngineArgs(model=llama_path, dtype="float32", async_scheduling=False))
     engine.add_request("a", "The weather today", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     for _ in range(3):
         assert [o.request_id for o in engine.step()] == ["a"]

@@ -42,7 +42,7 @@ class EngineArgs:
     # runs step N, the decode inputs taken from step N's samples where they are, on the device.
     # In-process engines only (TP = PP = 1, no KV transfer); steps with grammars or penalties,
     # which need every token on the host first, run one at a time. None: on where that holds
-    # and the device is CUDA (1.6x on nano-vllm's workload on an H200), off on CPU, where the
+    # and the device is CUDA (1.15x on nano-vllm's workload on an H200), off on CPU, where the
     # "device" is the same cores and overlap buys nothing.
     async_scheduling: bool | None = None
     # Shards: TP x PP worker processes (Ray actors) instead of the model in this process.

@@ -19,7 +19,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import kernels.triton_ops  # noqa: E402,F401  (imports every kernel module)
+from kernels._triton_utils import next_pow2  # noqa: E402
 from kernels.triton_activation import silu_and_mul_triton  # noqa: E402
+from kernels.triton_attention_tuning import decode_tile, prefill_tile  # noqa: E402
 from kernels.triton_decode_attention import paged_decode_attention_triton  # noqa: E402
 from kernels.triton_prefill_attention import paged_prefill_attention_triton  # noqa: E402
 from kernels.triton_rms_norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
@@ -88,7 +90,8 @@ def _patch_kernels(reports: list) -> None:
 
 
 def cases():
-    """(label, thunk) pairs: realistic model shapes for each op, run on CPU tensors."""
+    """(label, thunk, spills allowed) triples: realistic model shapes for each op, run on CPU
+    tensors. Spills are allowed only where the tile table says they were measured faster."""
     t = torch.empty
 
     def attention(hq, hkv, d, bs, dtype, num_splits):
@@ -106,19 +109,20 @@ def cases():
         kind = f"decode/{num_splits}" if num_splits else "prefill"
         for hq, hkv, d, bs, dtype in ATTENTION_SHAPES:
             label = f"{kind} Hq={hq} Hkv={hkv} D={d} bs={bs} {TYPES[dtype]}"
-            yield label, attention(hq, hkv, d, bs, dtype, num_splits)
+            tile = (decode_tile if num_splits else prefill_tile)(next_pow2(d), dtype)
+            yield label, attention(hq, hkv, d, bs, dtype, num_splits), tile.spills
     bf16 = dict(dtype=torch.bfloat16)
-    yield "rms_norm H=4096 bf16", lambda: rms_norm_triton(t(4, 4096, **bf16), t(4096, **bf16), 1e-6)
+    yield "rms_norm H=4096 bf16", lambda: rms_norm_triton(t(4, 4096, **bf16), t(4096, **bf16), 1e-6), False
     yield "fused_add_rms_norm H=8192 bf16", lambda: fused_add_rms_norm_triton(
-        t(4, 8192, **bf16), t(4, 8192, **bf16), t(8192, **bf16), 1e-6)
+        t(4, 8192, **bf16), t(4, 8192, **bf16), t(8192, **bf16), 1e-6), False
     for norm in (False, True):
         w = dict(q_norm_weight=t(128, **bf16), k_norm_weight=t(128, **bf16)) if norm else {}
         yield f"rotary_store qk_norm={norm} Hq=32 Hkv=8 D=128 bf16", lambda w=w: (
             rotary_store_kvcache_triton(
                 torch.zeros(4, dtype=torch.int64), t(4, 32, 128, **bf16), t(4, 8, 128, **bf16),
                 t(4, 8, 128, **bf16), t(8, 16, 8, 128, **bf16), t(8, 16, 8, 128, **bf16),
-                torch.zeros(4, dtype=torch.int64), t(16, 128), eps=1e-6, **w))
-    yield "silu_and_mul I=14336 bf16", lambda: silu_and_mul_triton(t(4, 2 * 14336, **bf16))
+                torch.zeros(4, dtype=torch.int64), t(16, 128), eps=1e-6, **w)), False
+    yield "silu_and_mul I=14336 bf16", lambda: silu_and_mul_triton(t(4, 2 * 14336, **bf16)), False
 
 
 def main() -> int:
@@ -126,15 +130,17 @@ def main() -> int:
     reports: list = []
     _patch_kernels(reports)
     spills = too_big = 0
-    for label, launch in cases():
+    for label, launch, spills_allowed in cases():
         reports.clear()
         launch()
         for name, usage in reports:
-            print(f"{label:45s} {name:24s} {usage}")
-            spills += "STACK:0" not in usage.split()
+            spilled = "STACK:0" not in usage.split()
+            note = " (spills: measured faster)" if spilled and spills_allowed else ""
+            print(f"{label:45s} {name:24s} {usage}{note}")
+            spills += spilled and not spills_allowed
             smem = int(usage.split("SMEM:")[1])
             too_big += smem > MAX_SHARED_BYTES
-    print(f"{spills} kernel(s) spill registers" if spills else "no register spills")
+    print(f"{spills} kernel(s) spill registers" if spills else "no unexpected register spills")
     if too_big:
         print(f"{too_big} kernel(s) need more than {MAX_SHARED_BYTES} bytes of shared memory")
     return 1 if spills or too_big else 0
