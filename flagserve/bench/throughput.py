@@ -26,7 +26,7 @@ from typing import get_args
 import torch
 
 from flagserve.bench.throughput_latency import decode_latency, profile_batch_decode, profile_decode
-from flagserve.bench.throughput_phases import PhaseTimer, phase_table
+from flagserve.bench.throughput_phases import PhaseTimer, StepMix, phase_table
 from flagserve.bench.throughput_roofline import (
     floor_seconds,
     kv_bytes,
@@ -68,9 +68,11 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
     llm.generate(work.prompts[:4], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
     before = llm.llm_engine.get_stats()
-    timer = PhaseTimer(llm.llm_engine) if getattr(args, "phases", False) else None
+    phases = getattr(args, "phases", False)
+    timer = PhaseTimer(llm.llm_engine) if phases else None
+    mix = StepMix(llm.llm_engine) if phases else None
     start = time.perf_counter()
-    with timer or contextlib.nullcontext():
+    with timer or contextlib.nullcontext(), mix or contextlib.nullcontext():
         outs = llm.generate(work.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     stats = llm.llm_engine.get_stats()
@@ -82,6 +84,7 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
               "preemptions": stats.num_preemptions}
     if timer is not None:
         result["phases_us_per_token"] = dict(phase_table(timer.totals, step, forward, work.output_tokens))
+        result["step_mix"] = mix.table()
     if getattr(args, "profile", 0):
         result["profile"] = profile_batch_decode(llm, work.prompts[:args.max_num_seqs], args.profile)
     return elapsed, result
@@ -300,6 +303,10 @@ def report(args: argparse.Namespace, result: dict) -> None:
             print("step phases, us per output token:")
             for label, us in result["phases_us_per_token"].items():
                 print(f"  {label:24s} {us:8.2f}")
+            print("steps by kind: steps, seconds, share of step time, ms per step, mean rows")
+            for kind, steps, seconds, share, rows in result["step_mix"]:
+                print(f"  {kind:28s} {steps:6d} {seconds:8.2f} s {share:6.1%} "
+                      f"{seconds / steps * 1e3:8.2f} ms {rows:7.1f}")
         if "hf_seconds" in result:
             print(f"HF generate        {result['hf_seconds']:8.2f} s  "
                   f"{result['hf_output_tps']:9.1f} output tok/s")

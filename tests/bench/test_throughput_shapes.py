@@ -125,6 +125,61 @@ def test_phases_split_the_step_time(capsys):
     assert "step phases, us per output token" in capsys.readouterr().out
 
 
+def test_step_mix_counts_every_step_once(capsys):
+    """--phases also splits the steps by kind: every engine step in one kind, the rows of each
+    kind within its bounds."""
+    from flagserve.bench.throughput_phases import DECODE_ROWS
+
+    result = main(QUICK + ["--num-seqs", "12", "--input-len", "4", "9", "--output-len", "2", "12",
+                           "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--phases"])
+    mix = {kind: (steps, seconds, share, rows) for kind, steps, seconds, share, rows in result["step_mix"]}
+    assert sum(steps for steps, *_ in mix.values()) == result["steps"]
+    assert sum(share for _, _, share, _ in mix.values()) == pytest.approx(1.0)
+    assert sum(seconds for _, seconds, _, _ in mix.values()) >= result["step_seconds"] * 0.99
+    assert "prefill (any prompt tokens)" in mix and "decode 1-7 rows" in mix
+    assert 1 <= mix["decode 1-7 rows"][3] <= 7 and mix.get("decode 8-31 rows", (0, 0, 0, 8))[3] >= 8
+    assert set(mix) <= {"prefill (any prompt tokens)"} | {label for _, label in DECODE_ROWS}
+    assert "steps by kind" in capsys.readouterr().out
+
+
+def test_step_mix_restores_the_engine():
+    from types import SimpleNamespace
+
+    from flagserve.bench.throughput_phases import StepMix
+
+    class Scheduler:
+        def schedule(self):
+            return SimpleNamespace(seqs=[SimpleNamespace(num_computed_tokens=3, num_prompt_tokens=3)])
+
+    class Engine:
+        def __init__(self):
+            self.scheduler = Scheduler()
+
+        def step(self):
+            return self.scheduler.schedule()
+
+    engine = Engine()
+    with StepMix(engine) as mix:
+        engine.step()
+        engine.step()
+    assert mix.table()[0][:2] == ("decode 1-7 rows", 2)
+    assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)
+
+
+def test_step_kind():
+    from types import SimpleNamespace
+
+    from flagserve.bench.throughput_phases import step_kind
+
+    def seqs(n, computed=10):
+        return [SimpleNamespace(num_computed_tokens=computed, num_prompt_tokens=10)] * n
+
+    assert step_kind(SimpleNamespace(seqs=seqs(200) + seqs(1, computed=4))).startswith("prefill")
+    assert [step_kind(SimpleNamespace(seqs=seqs(n))) for n in (1, 7, 8, 31, 32, 127, 128, 256)] == [
+        "decode 1-7 rows", "decode 1-7 rows", "decode 8-31 rows", "decode 8-31 rows",
+        "decode 32-127 rows", "decode 32-127 rows", "decode >= 128 rows", "decode >= 128 rows"]
+
+
 def test_phase_timer_restores_what_it_wrapped():
     from types import SimpleNamespace
 
