@@ -71,8 +71,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time CUDA-graph replays (triton.testing.do_bench_cudagraph)")
     parser.add_argument("--sweep-tiles", action="store_true",
-                        help="decode: also time every tile of decode_sweep_space on the chosen "
-                             "path, to retune DECODE_TILES (triton_attention_tuning.py)")
+                        help="also time every tile of decode_sweep_space (on the chosen decode "
+                             "path) and prefill_sweep_space, to retune DECODE_TILES and "
+                             "PREFILL_TILES (triton_attention_tuning.py)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="no GPU: run tiny shapes through the Triton interpreter and check them")
     return parser.parse_args()
@@ -159,7 +160,7 @@ def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=dtype, device=device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     variants = decode_variants(shape, batch, context, dtype, device)
-    row = dict(batch=batch, context=context, splits=variants["auto"])
+    row = dict(kind="decode", batch=batch, context=context, splits=variants["auto"])
     for name, splits in variants.items():
         if splits is None:
             continue
@@ -169,8 +170,13 @@ def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
         if name == "auto":
             out = fn()
     if args.sweep_tiles:
-        row["table_tile"], row["tiles"] = sweep_tiles(
-            args, out, fn_args=(q, k_cache, v_cache, tables, seq_lens, scale), splits=variants["auto"])
+        from kernels._triton_utils import next_pow2
+        from kernels.triton_attention_tuning import decode_sweep_space, decode_tile
+        block_d = next_pow2(shape.head_dim)
+        row["table_tile"] = decode_tile(block_d, dtype)
+        row["tiles"] = sweep_tiles(args, out, decode_sweep_space(block_d, dtype), lambda tile: (
+            paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, scale,
+                                          num_splits=variants["auto"], tile=tile)))
     io_bytes = kv_bytes + 2 * q.numel() * elem + tables.numel() * 4  # K/V + q + out + table
     row["gbps"] = io_bytes / row["auto_us"] / 1e3
     row["peak"] = row["gbps"] / peak_gbps if peak_gbps else None
@@ -184,30 +190,26 @@ def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
     return row
 
 
-def sweep_tiles(args, out: torch.Tensor, fn_args: tuple, splits: int) -> tuple[object, dict]:
-    """The table's tile, and tile -> microseconds on the wrapper's path for every tile of the
-    sweep space; NaN for a tile that fails to compile or launch, or whose output differs from
-    the table tile's beyond rounding (reported, not timed: one bad tile must not end the sweep)."""
-    from kernels._triton_utils import next_pow2
-    from kernels.triton_attention_tuning import decode_sweep_space, decode_tile
-    from kernels.triton_decode_attention import paged_decode_attention_triton
-    q = fn_args[0]
-    block_d = next_pow2(q.shape[-1])
+def sweep_tiles(args, out: torch.Tensor, space: list, run) -> dict:
+    """tile -> microseconds of `run(tile)` for every tile of the sweep space; NaN for a tile
+    that fails to compile or launch, or whose output differs from the table tile's beyond
+    rounding (reported, not timed: one bad tile must not end the sweep)."""
     times = {}
-    for tile in decode_sweep_space(block_d, q.dtype):
+    for tile in space:
         def fn(tile=tile):
-            return paged_decode_attention_triton(*fn_args, num_splits=splits, tile=tile)
+            return run(tile)
         try:
             err = (fn().float() - out.float()).abs().max().item()
             times[tile] = 1e3 * bench_ms(fn, args.cuda_graph) if err < 2e-2 else float("nan")
         except Exception as exc:  # noqa: BLE001  (a tile the compiler or the GPU refuses)
             print(f"{'':>6} tile {tile_name(tile)} failed: {type(exc).__name__}: {exc}"[:200])
             times[tile] = float("nan")
-    return decode_tile(block_d, q.dtype), times
+    return times
 
 
 def tile_name(tile) -> str:
-    return f"N{tile.block_n}/w{tile.num_warps}/s{tile.num_stages}"
+    rows = f"M{tile.block_m}/" if tile.block_m != 16 else ""  # decode's rows are always 16
+    return f"{rows}N{tile.block_n}/w{tile.num_warps}/s{tile.num_stages}"
 
 
 def format_sweep(row: dict) -> str:
@@ -215,20 +217,21 @@ def format_sweep(row: dict) -> str:
     timed = {t: us for t, us in row["tiles"].items() if not math.isnan(us)}  # NaN: wrong output
     wrong = [tile_name(t) for t in row["tiles"] if t not in timed]
     best = min(timed, key=timed.get)
-    table_us = timed.get(table_tile, row["auto_us"])
+    table_us = timed.get(table_tile, row.get("auto_us", row.get("triton_us")))
     return (f"{'':>6} tiles: best {tile_name(best)} {timed[best]:.1f} us, table "
             f"{tile_name(table_tile)} {table_us:.1f} us ({table_us / timed[best]:.2f}x)"
             + (f"; failed or wrong output: {', '.join(wrong)}" if wrong else ""))
 
 
 def summarize_sweep(rows: list[dict]) -> None:
-    """Per head_dim: the tile with the best geometric-mean time over the swept shapes, against
-    the table's (one tile per head_dim is what DECODE_TILES holds)."""
+    """Per kind (decode, prefill, extend) and head_dim: the tile with the best geometric-mean
+    time over the swept shapes, against the table's (which holds one tile per head_dim)."""
     def timed(row: dict, tile) -> bool:
         return not math.isnan(row["tiles"].get(tile, float("nan")))
 
-    for head_dim in sorted({r["head_dim"] for r in rows if "tiles" in r}):
-        mine = [r for r in rows if r["head_dim"] == head_dim and "tiles" in r]
+    groups = sorted({(r["kind"], r["head_dim"]) for r in rows if "tiles" in r})
+    for kind, head_dim in groups:
+        mine = [r for r in rows if (r["kind"], r["head_dim"]) == (kind, head_dim) and "tiles" in r]
         tiles = [t for t in mine[0]["tiles"] if all(timed(r, t) for r in mine)]
         if not tiles:
             continue
@@ -238,7 +241,7 @@ def summarize_sweep(rows: list[dict]) -> None:
         best = min(tiles, key=mean_log)
         table = mine[0]["table_tile"]
         gain = math.exp(mean_log(table) - mean_log(best)) if table in tiles else float("nan")
-        print(f"decode D={head_dim}: best tile over {len(mine)} shapes {tile_name(best)}, "
+        print(f"{kind} D={head_dim}: best tile over {len(mine)} shapes {tile_name(best)}, "
               f"{gain:.2f}x the table's {tile_name(table)} (geometric mean)")
 
 
@@ -293,6 +296,14 @@ def prefill_case(args, shape: Shape, batch: int, q_len: int, cached: int, dtype,
     args_ = (q, k_cache, v_cache, tables, cu_seqlens, seq_lens, scale)
     out = paged_prefill_attention_triton(*args_)
     t_ms = bench_ms(lambda: paged_prefill_attention_triton(*args_), args.cuda_graph)
+    sweep = {}
+    if args.sweep_tiles:
+        from kernels._triton_utils import next_pow2
+        from kernels.triton_attention_tuning import prefill_sweep_space, prefill_tile
+        block_d = next_pow2(shape.head_dim)
+        sweep = dict(table_tile=prefill_tile(block_d, dtype), tiles=sweep_tiles(
+            args, out, prefill_sweep_space(block_d, dtype),
+            lambda tile: paged_prefill_attention_triton(*args_, tile=tile)))
     k = gather_contiguous(k_cache, tables, kv_len)
     v = gather_contiguous(v_cache, tables, kv_len)
     q4 = q.view(batch, q_len, shape.num_q_heads, shape.head_dim).transpose(1, 2)
@@ -305,9 +316,9 @@ def prefill_case(args, shape: Shape, batch: int, q_len: int, cached: int, dtype,
     err = (out.float() - ref.transpose(1, 2).reshape_as(out).float()).abs().max().item()
     s_ms = sdpa_best_ms(q4, k, v, dict(scale=scale, **sdpa_kwargs), args.cuda_graph)
     flops = batch * causal_flops(q_len, kv_len, shape.num_q_heads, shape.head_dim)
-    return dict(batch=batch, q_len=q_len, cached=cached, triton_us=t_ms * 1e3,
-                tflops=flops / t_ms / 1e9, sdpa_us=s_ms * 1e3, sdpa_tflops=flops / s_ms / 1e9,
-                err=err)
+    return dict(kind="extend" if cached else "prefill", batch=batch, q_len=q_len, cached=cached,
+                triton_us=t_ms * 1e3, tflops=flops / t_ms / 1e9, sdpa_us=s_ms * 1e3,
+                sdpa_tflops=flops / s_ms / 1e9, err=err, **sweep)
 
 
 def run_prefill(args, shape: Shape, dtype, device) -> list[dict]:
@@ -327,6 +338,8 @@ def run_prefill(args, shape: Shape, dtype, device) -> list[dict]:
         print(f"{batch:>6} {q_len:>6} {cached:>7} {r['triton_us']:>10.1f} {r['tflops']:>8.1f} "
               f"{r['sdpa_us']:>9.1f} {r['sdpa_tflops']:>8.1f} "
               f"{r['sdpa_us'] / r['triton_us']:>7.2f}x {r['err']:>8.1e}")
+        if "tiles" in r:
+            print(format_sweep(r))
     return rows
 
 
@@ -380,9 +393,9 @@ def run_all(args, dtype, device, peak_gbps: float | None) -> list[dict]:
             shape = Shape(args.num_q_heads, args.num_kv_heads, head_dim, args.block_size)
             prefill_rows += run_prefill(args, shape, dtype, device)
     summarize_decode(decode_rows)
-    summarize_sweep(decode_rows)
     print()
     summarize_prefill(prefill_rows)
+    summarize_sweep(decode_rows + prefill_rows)
     return decode_rows + prefill_rows
 
 

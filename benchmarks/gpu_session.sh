@@ -49,7 +49,8 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
 # the 8B shape, step by step (what async scheduling buys), batch-1 without graphs (what they
 # buy, and a figure even if capture fails), then the tile sweeps.
 ALL=(latency_qwen3 nanovllm_qwen3 tests attention latency_llama3_8b nanovllm_qwen3_sync
-     latency_qwen3_sync latency_qwen3_eager attention_autotune attention_sweep attention_graph)
+     latency_qwen3_sync latency_qwen3_eager prefill_sweep attention_autotune attention_sweep
+     attention_graph)
 
 # name -> "limit-seconds command..." (the command sees $logs/<name>.json for --json)
 spec() {
@@ -67,6 +68,10 @@ spec() {
     # Every decode tile of the sweep space on a few shapes: what retuning DECODE_TILES needs.
     attention_sweep) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 --only decode \
       --sweep-tiles --batches 1 8 64 256 --contexts 512 8192 ;;
+    # Every prefill tile (BLOCK_M too, which autotune cannot vary) on a few shapes: what
+    # retuning PREFILL_TILES needs.
+    prefill_sweep) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 --only prefill \
+      --sweep-tiles --head-dims 128 256 --prefill-lens 512 4096 --extend-cached 2048 ;;
     attention_graph) echo 60 "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph \
       --only decode ;;
     # The prefill tiles triton.autotune picks (printed), against the table's in `attention`.

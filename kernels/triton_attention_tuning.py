@@ -9,7 +9,7 @@ benchmarks/attention.py prints both decode paths and prefill per head_dim agains
 is what a retune needs; FLAGSERVE_TRITON_AUTOTUNE=1 lets triton.autotune pick prefill tiles
 on CUDA instead (keyed on head_dim, GQA group, dtype and a token-count bucket).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +26,7 @@ class Tile:
     num_stages: int  # K/V tiles in flight (software pipelining through shared memory)
     # Compiles for sm_90 with register spills, kept because it measured faster than the
     # spill-free tiles (tests/kernels/sm90_compile.py allows its spills, no others').
-    spills: bool = False
+    spills: bool = field(default=False, compare=False)  # a note on the tile, not its identity
 
 
 # Decode is bandwidth-bound with only 16 (padded) query rows: registers and shared memory go
@@ -83,6 +83,16 @@ def decode_sweep_space(block_d: int, dtype: torch.dtype) -> list[Tile]:
     elem = torch.empty((), dtype=dtype).element_size()
     return [Tile(16, n, w, s) for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)
             if 2 * n * block_d * elem * s <= 112 * 1024]
+
+
+def prefill_sweep_space(block_d: int, dtype: torch.dtype) -> list[Tile]:
+    """Prefill tiles for benchmarks/attention.py --sweep-tiles, BLOCK_M included (autotune
+    cannot vary it): rows x keys x warps x stages whose K/V stages fit in shared memory."""
+    if dtype == torch.float32:
+        return [PREFILL_TILE_FP32]
+    elem = torch.empty((), dtype=dtype).element_size()
+    return [Tile(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8)
+            for s in (2, 3) if 2 * n * block_d * elem * s + m * block_d * elem <= 200 * 1024]
 
 
 def token_bucket(num_tokens: int) -> int:

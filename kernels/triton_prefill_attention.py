@@ -21,6 +21,7 @@ import triton.language as tl
 
 from kernels._triton_utils import LOG2E, dot_precision, last_dim_contiguous, next_pow2
 from kernels.triton_attention_tuning import (
+    Tile,
     autotune_enabled,
     prefill_autotune_space,
     prefill_tile,
@@ -99,8 +100,10 @@ def _autotuned_kernel(block_d: int):
 
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                   seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Same contract as paged_prefill_attention_torch."""
+                                   seq_lens: torch.Tensor, scale: float, *,
+                                   tile: Tile | None = None) -> torch.Tensor:
+    """Same contract as paged_prefill_attention_torch; tile overrides the table's (and autotune)
+    for benchmarks/attention.py --sweep-tiles."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     batch = seq_lens.shape[0]
@@ -112,7 +115,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     q = last_dim_contiguous(q)
     group = num_q_heads // num_kv_heads
     block_d = next_pow2(head_dim)
-    tile = prefill_tile(block_d, q.dtype)
+    chosen, tile = tile, tile or prefill_tile(block_d, q.dtype)
     # Rows are (token, head of the group) pairs: a tile holds block_m // group tokens.
     tile_tokens = max(1, tile.block_m // group)
     # Prefix sum of tiles per sequence, on the device (no sync).
@@ -120,7 +123,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     cu_tiles = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
     torch.cumsum((q_lens + tile_tokens - 1) // tile_tokens, dim=0, out=cu_tiles[1:])
     max_tiles = triton.cdiv(num_tokens, tile_tokens) + batch  # bounds sum(ceil(q_len / tile))
-    if autotune_enabled(q.device) and q.dtype != torch.float32:
+    if chosen is None and autotune_enabled(q.device) and q.dtype != torch.float32:
         kernel, launch = _autotuned_kernel(block_d), {}
     else:
         kernel = _prefill_kernel

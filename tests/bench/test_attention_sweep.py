@@ -18,7 +18,7 @@ OTHER, BROKEN = Tile(16, 32, 2, 3), Tile(16, 128, 8, 2)
 
 
 def rows() -> list[dict]:
-    base = dict(head_dim=64, table_tile=TABLE, auto_us=10.0)
+    base = dict(kind="decode", head_dim=64, table_tile=TABLE, auto_us=10.0)
     return [dict(base, tiles={TABLE: 10.0, OTHER: 8.0, BROKEN: math.nan}),
             dict(base, tiles={TABLE: 20.0, OTHER: 18.0, BROKEN: 1.0})]
 
@@ -33,4 +33,17 @@ def test_the_summary_picks_the_best_tile_over_all_shapes_it_ran_on(capsys):
     bench.summarize_sweep(rows())  # BROKEN is fastest once but failed once: not a candidate
     out = capsys.readouterr().out
     gain = math.sqrt(10 * 20 / (8 * 18))
-    assert f"best tile over 2 shapes N32/w2/s3, {gain:.2f}x the table's {bench.tile_name(TABLE)}" in out
+    assert (f"decode D=64: best tile over 2 shapes N32/w2/s3, {gain:.2f}x the table's "
+            f"{bench.tile_name(TABLE)}") in out
+
+
+def test_prefill_and_extend_are_summarised_apart(capsys):
+    """Prefill rows name their tiles' rows (BLOCK_M, which the sweep varies); prefill and
+    extend get a line each, every one from its own shapes."""
+    table, wide = Tile(128, 32, 4, 2), Tile(64, 64, 4, 3)
+    base = dict(head_dim=128, table_tile=table, triton_us=10.0)
+    bench.summarize_sweep([dict(base, kind="prefill", tiles={table: 10.0, wide: 5.0}),
+                           dict(base, kind="extend", tiles={table: 10.0, wide: 20.0})])
+    out = capsys.readouterr().out
+    assert "prefill D=128: best tile over 1 shapes M64/N64/w4/s3, 2.00x the table's M128/N32/w4/s2" in out
+    assert "extend D=128: best tile over 1 shapes M128/N32/w4/s2, 1.00x" in out

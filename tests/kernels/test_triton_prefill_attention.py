@@ -4,7 +4,13 @@ import torch
 from kernel_cases import DEVICE, DTYPES, check_prefill, make_paged_cache
 
 from kernels.prefill_attention import paged_prefill_attention_torch
-from kernels.triton_attention_tuning import AUTOTUNE_ENV, autotune_enabled
+from kernels.triton_attention_tuning import (
+    AUTOTUNE_ENV,
+    PREFILL_TILES,
+    autotune_enabled,
+    prefill_sweep_space,
+    prefill_tile,
+)
 from kernels.triton_prefill_attention import paged_prefill_attention_triton
 
 NUM_KV_HEADS = 2
@@ -75,3 +81,20 @@ def test_strided_query_and_empty_sequence():
     out = paged_prefill_attention_triton(q, k_cache, v_cache, table, cu, lens, 0.125)
     ref = paged_prefill_attention_torch(q, k_cache, v_cache, table, cu, lens, 0.125)
     torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
+
+
+def test_every_tile_of_the_sweep_is_correct():
+    """benchmarks/attention.py --sweep-tiles times these on a GPU to retune the table (BLOCK_M
+    included): each must compute the same attention (16-bit: the sweep's own dtype class)."""
+    tiles = prefill_sweep_space(32, torch.float16)
+    assert prefill_tile(32, torch.float16) in tiles and {t.block_m for t in tiles} == {64, 128}
+    for tile in tiles:
+        check_prefill(lambda *a, tile=tile: paged_prefill_attention_triton(*a, tile=tile),
+                      [(0, 37), (45, 20), (3, 1)], 4, 16, 32, torch.float16, NUM_KV_HEADS)
+
+
+def test_the_sweep_space_holds_every_table_tile():
+    for head_dim, tile in PREFILL_TILES.items():
+        for dtype in (torch.float16, torch.bfloat16):
+            assert tile in prefill_sweep_space(head_dim, dtype), (head_dim, dtype)
+    assert prefill_sweep_space(128, torch.float32) == [prefill_tile(128, torch.float32)]
