@@ -106,3 +106,31 @@ def test_find_stop_string_earliest_match_ending_in_the_delta():
     assert find_stop_string("abcSTOPdef", 3, ["STOP"]) is None  # ended before the delta
     assert find_stop_string("abcSTOPdef", 5, ["STOP", "def"]) == ("STOP", 3)
     assert find_stop_string("xxENDyy", 4, ["yy", "END"]) == ("END", 2)
+
+
+def test_a_long_output_ending_inside_a_character_replays_only_its_tail(tokenizer):
+    """The deferred flush finds the last whole character a few tokens back instead of
+    replaying every token: a 400-token output cut inside its last character replays at most
+    TAIL_SCAN tokens (and still equals the deltas)."""
+    from flagserve.engine.detokenizer import TAIL_SCAN
+
+    natural = tokenizer.encode("plain words " * 100 + "\U0001f600\U0001f601", add_special_tokens=False)
+    cuts = [n for n in range(len(natural) - 8, len(natural))
+            if tokenizer.decode(natural[:n]).endswith("\ufffd")]
+    if not cuts:
+        pytest.skip("this tokenizer keeps the emoji whole")
+    for cut in cuts:
+        ids = [5, 6, 7] + natural[:cut]  # a 3-token prompt, then the output
+        each = IncrementalDetokenizer.for_prompt(tokenizer, 3, True)
+        for end in range(4, len(ids) + 1):
+            each.append(ids[:end])
+        once = IncrementalDetokenizer.for_prompt(tokenizer, 3, True, deferred=True)
+        once.append(ids)
+        replayed = []
+
+        def counted(token_ids, real=once.append, replayed=replayed):
+            replayed.append(len(token_ids))
+            return real(token_ids)
+        once.append = counted
+        once.flush(ids)
+        assert once.text == each.text and len(replayed) <= TAIL_SCAN, (cut, len(replayed))

@@ -71,6 +71,28 @@ def test_final_only_is_one_output_equal_to_the_last_cumulative_one(engine):
     assert len({len(c.token_ids) for c in final.outputs}) > 1  # the samples did end apart
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA])
+def test_without_detokenize_the_tokens_are_the_same_and_there_is_no_text(engine, kind):
+    """vLLM's detokenize=False: the same tokens and logprobs, no text anywhere."""
+    def run(detokenize: bool) -> list:
+        engine.add_request(f"{kind}-{detokenize}", "Old computers", SamplingParams(
+            temperature=0, max_tokens=10, ignore_eos=True, logprobs=2, output_kind=kind,
+            detokenize=detokenize))
+        return drain(engine)
+
+    plain, with_text = run(False), run(True)
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in with_text]
+    assert "".join(o.outputs[0].text for o in with_text)  # the model does write text
+    assert all(o.outputs[0].text == "" for o in plain)
+    for a, b in zip(plain[-1].outputs[0].logprobs, with_text[-1].outputs[0].logprobs):
+        assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
+        assert all(lp.decoded_token is None for lp in a.values())
+    with pytest.raises(ValueError, match="SamplingParams.stop needs detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="SamplingParams.detokenize must be true or false"):
+        SamplingParams(detokenize="no")
+
+
 @pytest.mark.parametrize("prompt,message", [
     ([], "empty"),
     ("word " * 400, "max_model_len"),

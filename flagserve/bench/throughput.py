@@ -66,7 +66,9 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
     llm, start_up = timed_start(lambda: LLM(model, **engine_args))
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate(work.prompts[:4], warm, use_tqdm=False)
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
+    detokenize = not getattr(args, "disable_detokenize", False)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=detokenize)
+              for m in work.max_tokens]
     before = llm.llm_engine.get_stats()
     phases = getattr(args, "phases", False)
     timer = PhaseTimer(llm.llm_engine) if phases else None
@@ -199,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         help="prepare each step while the device runs the one before "
                              "(default: the engine's, on for CUDA)")
+    parser.add_argument("--disable-detokenize", action="store_true",
+                        help="token ids only, no text (vLLM's bench flag; as nano-vllm's "
+                             "benchmark, which never decodes)")
     parser.add_argument("--bandwidth-gbs", type=float,
                         help="memory bandwidth of the roofline (default: measured by a device copy)")
     parser.add_argument("--hf-batch-size", type=int, default=0,

@@ -12,6 +12,7 @@ from tokenizers.decoders import ByteLevel
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first outputs, for correct spacing
+TAIL_SCAN = 8  # tokens a deferred flush looks back for the last whole character
 
 # tokenizer -> skip_special_tokens -> token id -> its text alone (byte-level tokenizers only)
 _pieces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -101,8 +102,16 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix):]  # the deltas one by one add up to this
             self.prefix_offset, self.read_offset = self.read_offset, seen
             return
-        # An incomplete character at the end: how much text the token-by-token deltas held
-        # back depends on where they stopped, so take them one by one (rare).
+        # An incomplete character at the end: the deltas stopped growing at the last token
+        # whose window ends on a whole character. Find it a few tokens back (a character is at
+        # most 4 bytes), take the text up to there at once as above, and replay the tokens
+        # after it one by one; with no such token near the end, replay them all (rare).
+        for end in range(seen - 1, max(self.read_offset, seen - TAIL_SCAN), -1):
+            head = self._decode(ids[self.prefix_offset:end])
+            if len(head) > len(prefix) and not head.endswith("\ufffd"):
+                self.text += head[len(prefix):]
+                self.prefix_offset, self.read_offset = self.read_offset, end
+                break
         self.deferred = False
         for end in range(self.read_offset + 1, seen + 1):
             self.append(ids[:end])

@@ -135,8 +135,9 @@ class LLMEngine:
 
     def new_request_state(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                    seqs: list[Sequence], metrics: RequestMetrics) -> RequestState:
-        # Text read only at the end and no stop strings to find in it: decoded once, then.
-        deferred = params.output_kind == FINAL_ONLY and not params.stop_list
+        # Text read only at the end and no stop strings to find in it: decoded once, then (or
+        # never, without detokenize).
+        deferred = (params.output_kind == FINAL_ONLY or not params.detokenize) and not params.stop_list
         detoks = [IncrementalDetokenizer.for_prompt(self.tokenizer, len(ids), params.skip_special_tokens,
                                                     deferred) for _ in seqs]
         state = RequestState(request_id, text, ids, params, seqs, detoks, metrics,
@@ -335,11 +336,12 @@ class LLMEngine:
     def _record_logprobs(self, seq: Sequence, row: int, out: SamplerOutput) -> None:
         token = out.token_ids[row]
         seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + out.logprobs[row]
-        entry = {token: Logprob(out.logprobs[row], out.ranks[row], self.tokenizer.decode([token]))}
+        text = self.tokenizer.decode if seq.params.detokenize else lambda _: None
+        entry = {token: Logprob(out.logprobs[row], out.ranks[row], text([token]))}
         if out.top_token_ids is not None:
             for rank, (tid, lp) in enumerate(zip(out.top_token_ids[row][:seq.params.logprobs],
                                                  out.top_logprobs[row]), start=1):
-                entry.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
+                entry.setdefault(tid, Logprob(lp, rank, text([tid])))
         if seq.logprobs is None:
             seq.logprobs = []
         seq.logprobs.append(entry)
@@ -383,7 +385,7 @@ class LLMEngine:
     @staticmethod
     def _completion(state: RequestState, seq: Sequence, detok: IncrementalDetokenizer,
                     kind: RequestOutputKind) -> CompletionOutput:
-        if detok.deferred:
+        if detok.deferred and state.params.detokenize:
             detok.flush(seq.token_ids)
         text, logprobs, i = detok.text, seq.logprobs, seq.index
         if state.hold and not seq.is_finished:

@@ -59,6 +59,10 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False (vLLM's): token ids only, no text (completions' text and logprobs' decoded_token
+    # stay empty); for benchmarks of random weights, whose token soup says nothing. No stop
+    # strings then: they are matched on the text.
+    detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     stop_list: list[str] = field(init=False, repr=False)
@@ -114,6 +118,10 @@ class SamplingParams:
                      "stop", f"must be a string or a list of strings, got {self.stop!r}")
             self.stop_list = list(self.stop)
         _require(all(s for s in self.stop_list), "stop", "must not contain empty strings")
+        _require(isinstance(self.detokenize, bool), "detokenize",
+                 f"must be true or false, got {self.detokenize!r}")
+        _require(self.detokenize or not self.stop_list, "stop",
+                 "needs detokenize=True: stop strings are matched on the text")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         _require(isinstance(self.stop_token_ids, (list, tuple)) and all(map(_is_int, self.stop_token_ids)),
