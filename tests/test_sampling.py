@@ -166,3 +166,22 @@ def test_extreme_values_in_range_are_accepted():
 def test_min_tokens_above_max_tokens_is_rejected():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_plain_greedy_takes_the_argmax_of_the_model_dtype_logits(dtype):
+    """Greedy rows with nothing to apply skip the fp32 copy of the logits: the same tokens as
+    through it, ties (common in 16 bits) included, first index first."""
+    from flagserve.layers.sampler import Sampler
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 1000, generator=gen) * 4).round().to(dtype)  # many ties
+    logits[3, 10] = logits[3, 500] = 1e4  # an exact tie at the top: the first wins
+    plain = SamplingBatch(temperatures=None, top_ks=None, top_ps=None, min_ps=None, all_greedy=True)
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    tokens = sampler(logits, plain).token_ids
+    assert tokens == logits.float().argmax(-1).tolist() and tokens[3] == 10
+    with_logprobs = SamplingBatch(temperatures=None, top_ks=None, top_ps=None, min_ps=None,
+                                  all_greedy=True, max_num_logprobs=0)
+    out = sampler(logits, with_logprobs)  # the fp32 path, for the logprobs
+    assert out.token_ids == tokens and out.logprobs is not None

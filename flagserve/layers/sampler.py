@@ -155,6 +155,13 @@ def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Genera
     return noise
 
 
+def _plain_greedy(batch: SamplingBatch) -> bool:
+    """Every row greedy with nothing to apply first and no logprobs to report."""
+    return (batch.all_greedy and batch.max_num_logprobs < 0 and batch.token_bitmask is None
+            and batch.banned_token_ids is None and batch.repetition_penalties is None
+            and batch.presence_penalties is None and batch.frequency_penalties is None)
+
+
 class Sampler(nn.Module):
     def __init__(self, seed: int, device: torch.device, ops: KernelOps | None = None):
         super().__init__()
@@ -168,6 +175,10 @@ class Sampler(nn.Module):
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> DeviceSamples:
         """The samples, left on the device (no wait for it)."""
+        if _plain_greedy(batch):
+            # Widening to fp32 is exact, so the argmax of the model-dtype logits is that of
+            # their fp32 copy: skip the copy (a 256 x 152k bf16 batch: ~0.1 ms on an H200).
+            return DeviceSamples(self.argmax(logits))
         logits = logits.float()
         want_logprobs = batch.max_num_logprobs >= 0
         # Logprobs are of the raw distribution and cost a full-vocabulary pass: only on request.
