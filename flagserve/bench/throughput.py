@@ -64,8 +64,13 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
                    "max_num_batched_tokens": args.max_num_batched_tokens,
                    "attention_backend": args.backend, **engine_args}
     llm, start_up = timed_start(lambda: LLM(model, **engine_args))
+    # Warm-up on the prompts reversed (the timed run must find none of them in the prefix
+    # cache). On a GPU a whole batch of them: the first nano-vllm run on a fresh H200 was
+    # 25-30% slower than later ones (cause not known; candidates: the allocator's growth,
+    # cuBLAS's first choices for new shapes).
+    count = args.max_num_seqs if torch.cuda.is_available() else 4
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm.generate(work.prompts[:4], warm, use_tqdm=False)
+    llm.generate([p[::-1] for p in work.prompts[:count]], warm, use_tqdm=False)
     detokenize = not getattr(args, "disable_detokenize", False)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=detokenize)
               for m in work.max_tokens]
@@ -83,7 +88,8 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
     forward = stats.forward_seconds - before.forward_seconds
     result = {**start_up, "steps": stats.num_steps - before.num_steps, "step_seconds": step,
               "forward_seconds": forward, "outside_forward_share": 1 - forward / step,
-              "preemptions": stats.num_preemptions}
+              "preemptions": stats.num_preemptions,
+              "prefix_cache_hit_tokens": stats.prefix_cache_hits - before.prefix_cache_hits}
     if timer is not None:
         result["phases_us_per_token"] = dict(phase_table(timer.totals, step, forward, work.output_tokens))
         result["step_mix"] = mix.table()
