@@ -41,20 +41,16 @@ def _timed(fn: Callable, totals: dict[str, float], label: str) -> Callable:
     return run
 
 
-class PhaseTimer:
-    """Context manager: times PHASES on `engine` (an in-process LLMEngine) while open."""
+class _Wrapping:
+    """Replaces methods on their objects (instance attributes) and puts back exactly what was
+    there, in reverse order: wrappers of one context may sit on another's."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.totals = {label: 0.0 for label, _, _ in PHASES}
+    def __init__(self):
         self._saved: list[tuple[object, str, object]] = []
 
-    def __enter__(self) -> "PhaseTimer":
-        for label, path, name in PHASES:
-            owner = _owner(self.engine, path)
-            self._saved.append((owner, name, owner.__dict__.get(name)))
-            setattr(owner, name, _timed(getattr(owner, name), self.totals, label))
-        return self
+    def wrap(self, owner, name: str, make: Callable[[Callable], Callable]) -> None:
+        self._saved.append((owner, name, owner.__dict__.get(name)))
+        setattr(owner, name, make(getattr(owner, name)))
 
     def __exit__(self, *exc) -> None:
         for owner, name, previous in reversed(self._saved):
@@ -63,6 +59,21 @@ class PhaseTimer:
             else:
                 setattr(owner, name, previous)
         self._saved.clear()
+
+
+class PhaseTimer(_Wrapping):
+    """Context manager: times PHASES on `engine` (an in-process LLMEngine) while open."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+        self.totals = {label: 0.0 for label, _, _ in PHASES}
+
+    def __enter__(self) -> "PhaseTimer":
+        for label, path, name in PHASES:
+            self.wrap(_owner(self.engine, path), name,
+                      lambda fn, label=label: _timed(fn, self.totals, label))
+        return self
 
 
 def phase_table(totals: dict[str, float], step_seconds: float, forward_seconds: float,
@@ -75,67 +86,62 @@ def phase_table(totals: dict[str, float], step_seconds: float, forward_seconds: 
 
 
 # Step kinds of the step mix: steps with prompt tokens, then decode-only steps by rows.
+PREFILL = "prefill (any prompt tokens)"
 DECODE_ROWS = ((128, "decode >= 128 rows"), (32, "decode 32-127 rows"), (8, "decode 8-31 rows"),
                (1, "decode 1-7 rows"))
 
 
 def step_kind(batch) -> str:
-    """A scheduled batch's kind: "prefill" when any of its tokens is a prompt's (chunked or
+    """A scheduled batch's kind: PREFILL when any of its tokens is a prompt's (chunked or
     recomputed prompts too), else its decode bucket."""
     if any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in batch.seqs):
-        return "prefill (any prompt tokens)"
+        return PREFILL
     return next(label for low, label in DECODE_ROWS if len(batch.seqs) >= low)
 
 
-class StepMix:
+class StepMix(_Wrapping):
     """Context manager: wall time and steps of `engine.step` by the kind of batch it ran.
     Step by step (no async scheduling) each step's time is its own device time plus host work,
     so the table says whether a run's time goes to prefills, full batches or the thin tail."""
 
     def __init__(self, engine):
+        super().__init__()
         self.engine = engine
         self.seconds: dict[str, float] = {}
         self.steps: dict[str, int] = {}
         self.rows: dict[str, int] = {}
         self._kind: str | None = None
 
-    def __enter__(self) -> "StepMix":
-        scheduler, engine = self.engine.scheduler, self.engine
-        schedule, step = scheduler.schedule, engine.step
-
-        def timed_schedule():
+    def _schedule(self, schedule: Callable) -> Callable:
+        def run():
             batch = schedule()
             self._kind = step_kind(batch) if batch.seqs else None
             if self._kind is not None:
                 self.rows[self._kind] = self.rows.get(self._kind, 0) + len(batch.seqs)
             return batch
+        return run
 
-        def timed_step():
+    def _step(self, step: Callable) -> Callable:
+        def run():
             start = time.perf_counter()
             try:
                 return step()
             finally:
-                if self._kind is not None:
+                if self._kind is not None:  # an empty step (nothing scheduled) is not counted
                     k = self._kind
                     self.seconds[k] = self.seconds.get(k, 0.0) + time.perf_counter() - start
                     self.steps[k] = self.steps.get(k, 0) + 1
                 self._kind = None
+        return run
 
-        self._saved = [(scheduler, "schedule", scheduler.__dict__.get("schedule")),
-                       (engine, "step", engine.__dict__.get("step"))]
-        scheduler.schedule, engine.step = timed_schedule, timed_step
+    def __enter__(self) -> "StepMix":
+        self.wrap(self.engine.scheduler, "schedule", self._schedule)
+        self.wrap(self.engine, "step", self._step)
         return self
-
-    def __exit__(self, *exc) -> None:
-        for owner, name, previous in self._saved:  # a PhaseTimer's wrapper may be beneath
-            if previous is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, previous)
 
     def table(self) -> list[tuple[str, int, float, float, float]]:
         """(kind, steps, seconds, share of the steps' time, mean rows) in the order of kinds."""
         total = sum(self.seconds.values()) or 1.0
-        kinds = ["prefill (any prompt tokens)"] + [label for _, label in DECODE_ROWS]
+        kinds = [PREFILL] + [label for _, label in DECODE_ROWS]
         return [(k, self.steps[k], self.seconds[k], self.seconds[k] / total,
                  self.rows[k] / self.steps[k]) for k in kinds if self.steps.get(k)]

@@ -131,7 +131,7 @@ def test_phases_split_the_step_time(capsys):
 def test_step_mix_counts_every_step_once(capsys):
     """--phases also splits the steps by kind: every engine step in one kind, the rows of each
     kind within its bounds."""
-    from flagserve.bench.throughput_phases import DECODE_ROWS
+    from flagserve.bench.throughput_phases import DECODE_ROWS, PREFILL
 
     result = main(QUICK + ["--num-seqs", "12", "--input-len", "4", "9", "--output-len", "2", "12",
                            "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--phases"])
@@ -139,9 +139,9 @@ def test_step_mix_counts_every_step_once(capsys):
     assert sum(steps for steps, *_ in mix.values()) == result["steps"]
     assert sum(share for _, _, share, _ in mix.values()) == pytest.approx(1.0)
     assert sum(seconds for _, seconds, _, _ in mix.values()) >= result["step_seconds"] * 0.99
-    assert "prefill (any prompt tokens)" in mix and "decode 1-7 rows" in mix
+    assert PREFILL in mix and "decode 1-7 rows" in mix
     assert 1 <= mix["decode 1-7 rows"][3] <= 7 and mix.get("decode 8-31 rows", (0, 0, 0, 8))[3] >= 8
-    assert set(mix) <= {"prefill (any prompt tokens)"} | {label for _, label in DECODE_ROWS}
+    assert set(mix) <= {PREFILL} | {label for _, label in DECODE_ROWS}
     assert "steps by kind" in capsys.readouterr().out
 
 
