@@ -38,6 +38,7 @@ PEAK_GBPS = [("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H1
              ("H800", 3350.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0),
              ("A100", 1555.0), ("L40S", 864.0), ("A10", 600.0)]
 DTYPES = ("bfloat16", "float16", "float32")
+SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # --sweep-splits (64: the wrapper's MAX_SPLITS)
 
 
 @dataclass
@@ -74,6 +75,10 @@ def parse_args() -> argparse.Namespace:
                         help="also time every tile of decode_sweep_space (on the chosen decode "
                              "path) and prefill_sweep_space, to retune DECODE_TILES and "
                              "PREFILL_TILES (triton_attention_tuning.py)")
+    parser.add_argument("--sweep-splits", action="store_true",
+                        help="decode: also time split-K at every count of SPLIT_COUNTS (1 = the "
+                             "single pass; at least 16 positions a split), to retune the path "
+                             "choice (SINGLE_PASS_MAX_BYTES, MIN_SPLIT_TOKENS)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="no GPU: run tiny shapes through the Triton interpreter and check them")
     return parser.parse_args()
@@ -114,6 +119,18 @@ def bench_ms(fn, cuda_graph: bool) -> float:
     if cuda_graph:
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def warm_up_gpu(seconds: float = 2.0) -> None:
+    """Matmuls until the clocks are up: an idle GPU sits at low clocks (an H200's SMs at 345
+    MHz), and the first rows of a table measured on a fresh machine were 2x slower than the
+    same rows a minute later (batch-1 decode: 41.7 vs 20.7 us)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def sdpa_best_ms(q, k, v, kwargs: dict, cuda_graph: bool) -> float:
@@ -169,6 +186,10 @@ def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
         row[f"{name}_us"] = 1e3 * bench_ms(fn, args.cuda_graph)
         if name == "auto":
             out = fn()
+    if args.sweep_splits:
+        row["by_splits"] = {n: 1e3 * bench_ms(lambda n=n: paged_decode_attention_triton(
+            q, k_cache, v_cache, tables, seq_lens, scale, num_splits=n), args.cuda_graph)
+            for n in SPLIT_COUNTS if n == 1 or 16 * n <= context}
     if args.sweep_tiles:
         from kernels._triton_utils import next_pow2
         from kernels.triton_attention_tuning import decode_sweep_space, decode_tile
@@ -263,7 +284,17 @@ def run_decode(args, shape: Shape, dtype, device, peak_gbps: float | None) -> li
             print(format_decode(row))
             if "tiles" in row:
                 print(format_sweep(row))
+            if "by_splits" in row:
+                print(format_splits(row))
     return rows
+
+
+def format_splits(row: dict) -> str:
+    times = row["by_splits"]
+    best = min(times, key=times.get)
+    return (f"{'':>6} splits: best {best} {times[best]:.1f} us, the wrapper's {row['splits']} "
+            f"{row['auto_us']:.1f} us ({row['auto_us'] / times[best]:.2f}x); "
+            + " ".join(f"{n}:{us:.1f}" for n, us in times.items()))
 
 
 def format_decode(row: dict) -> str:
@@ -435,6 +466,7 @@ def main() -> int:
           + f"; torch {torch.__version__}")
     import triton
     print(f"triton {triton.__version__}")
+    warm_up_gpu()
     run_all(args, getattr(torch, args.dtype), device, peak)
     return 0
 

@@ -50,8 +50,8 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
 # the 8B shape, step by step (what async scheduling buys), batch-1 without graphs (what they
 # buy, and a figure even if capture fails), then the tile sweeps.
 ALL=(latency_qwen3 nanovllm_qwen3 tests attention latency_llama3_8b nanovllm_qwen3_sync
-     latency_qwen3_sync latency_qwen3_eager prefill_sweep attention_autotune attention_sweep
-     attention_graph)
+     latency_qwen3_sync latency_qwen3_eager decode_splits prefill_sweep attention_autotune
+     attention_sweep attention_graph)
 
 # name -> "limit-seconds command..." (the command sees $logs/<name>.json for --json)
 spec() {
@@ -69,6 +69,10 @@ spec() {
     # Every decode tile of the sweep space on a few shapes: what retuning DECODE_TILES needs.
     attention_sweep) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 --only decode \
       --sweep-tiles --batches 1 8 64 256 --contexts 512 8192 ;;
+    # Decode split counts at the batches that leave SMs idle: what the path choice
+    # (SINGLE_PASS_MAX_BYTES, MIN_SPLIT_TOKENS: the batch-1 fixed cost) needs.
+    decode_splits) echo 90 "$py" benchmarks/attention.py --dtype bfloat16 --only decode \
+      --sweep-splits --batches 1 4 8 16 32 --contexts 512 2048 8192 ;;
     # Every prefill tile (BLOCK_M too, which autotune cannot vary) on a few shapes: what
     # retuning PREFILL_TILES needs.
     prefill_sweep) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 --only prefill \

@@ -47,3 +47,9 @@ def test_prefill_and_extend_are_summarised_apart(capsys):
     out = capsys.readouterr().out
     assert "prefill D=128: best tile over 1 shapes M64/N64/w4/s3, 2.00x the table's M128/N32/w4/s2" in out
     assert "extend D=128: best tile over 1 shapes M128/N32/w4/s2, 1.00x" in out
+
+
+def test_a_split_sweep_line_names_the_best_count_against_the_wrappers():
+    row = dict(splits=1, auto_us=20.0, by_splits={1: 20.0, 2: 19.5, 8: 10.0})
+    line = bench.format_splits(row)
+    assert "best 8 10.0 us, the wrapper's 1 20.0 us (2.00x); 1:20.0 2:19.5 8:10.0" in line
