@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from flagserve.bench.throughput_phases import prefilling
 from flagserve.engine.sampling_params import SamplingParams
 
 
@@ -37,8 +38,7 @@ def profile_batch_decode(llm, prompts: list[list[int]], steps: int, rows: int = 
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
     scheduler = engine.scheduler
-    while scheduler.waiting or any(seq.num_computed_tokens < seq.num_prompt_tokens
-                                   for seq in scheduler.running):
+    while scheduler.waiting or prefilling(scheduler.running):
         engine.step()
     table = _profiled_steps(engine, steps, rows)
     for request_id in ids:

@@ -91,10 +91,15 @@ DECODE_ROWS = ((128, "decode >= 128 rows"), (32, "decode 32-127 rows"), (8, "dec
                (1, "decode 1-7 rows"))
 
 
+def prefilling(seqs) -> bool:
+    """Whether any of `seqs` has prompt tokens still to compute (chunked or recomputed)."""
+    return any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in seqs)
+
+
 def step_kind(batch) -> str:
-    """A scheduled batch's kind: PREFILL when any of its tokens is a prompt's (chunked or
-    recomputed prompts too), else its decode bucket."""
-    if any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in batch.seqs):
+    """A scheduled batch's kind: PREFILL when any of its tokens is a prompt's, else its
+    decode bucket."""
+    if prefilling(batch.seqs):
         return PREFILL
     return next(label for low, label in DECODE_ROWS if len(batch.seqs) >= low)
 
