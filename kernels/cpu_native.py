@@ -5,6 +5,8 @@
   full decode batch that copy is more bytes per step than the model's weights.
 - Prefill attention (cpu_paged_prefill.cpp, float32) reads the cache in place too, a tile
   of query rows in the lanes of a vector, where SDPA per sequence ran at 0.4x its speed.
+- The float32 linear layers multiply by a weight packed into tiles of 32 output columns
+  (cpu_linear.cpp; flagserve/layers/cpu_matmul.py chooses it over oneDNN).
 - RMSNorm, residual add + RMSNorm, SiLU-and-mul and rotary + KV store are one pass each
   (cpu_elementwise.cpp) where the reference runs 5-15 torch ops.
 - The sampler's argmax and a grammar's token bitmask are one pass each over the logits
@@ -166,6 +168,20 @@ def rotary_store_kvcache_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.
     torch.ops.flagserve_cpu.rotary_store_kvcache(positions, q, k, v, k_cache, v_cache,
                                                  slot_mapping, cos_sin_cache)
     return q
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] as small_linear reads it: [ceil(N / 32), K, 32], zero-padded."""
+    load_library()
+    return torch.ops.flagserve_cpu.pack_linear_weight(weight)
+
+
+def small_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K] float32 against pack_linear_weight(weight)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return torch.ops.flagserve_cpu.small_linear(x, packed, out_features, bias)
 
 
 def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -1,26 +1,37 @@
-"""oneDNN's prepacked matmul for the linear layers and the LM head on CPU (issue 16).
+"""Packed weights for the linear layers and the LM head on CPU (issue 16).
 
 `F.linear` on CPU calls MKL's sgemm with the weight as stored ([out, in]), and MKL re-blocks
 it on every call; for the small row counts of decoding that costs more than the math (on
-SmolLM2's LM head, [49152, 576], 8 rows take 3-4x as long as one). oneDNN can reorder the
-weight once, at load, into the blocked layout its kernels read (`_reorder_linear_weight`),
-and `_linear_pointwise` then multiplies against it; the same kernels use AMX and
-AVX512-BF16 for bfloat16. The result is the same sums in another order: float32 outputs
-differ from F.linear's by rounding only (about 1e-6 relative).
+SmolLM2's LM head, [49152, 576], 8 rows take 3-4x as long as one). So the engine packs every
+weight once, at load, into a layout its kernel reads as it is:
 
-CpuMatmul modes (FLAGSERVE_CPU_MATMUL, default auto): `aten` is F.linear everywhere;
-`onednn` packs every linear layer and the LM head; `auto` is onednn on a CPU where torch
-has oneDNN (mkldnn) and the dtype is float32, or bfloat16 on a CPU with oneDNN's bf16 path
-(AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has none), else aten.
+- `native` (float32): FlagServe's own kernel (kernels/csrc/cpu_linear.cpp), tiles of 32
+  output columns each stored as one stream. It reads a decode step's weights at up to ~32
+  GB/s where oneDNN reached ~20, and matches oneDNN at hundreds of rows (docs/performance.md,
+  CPU: 1.4-1.9x at 1-8 rows, 1.0-1.3x at 16-64, 0.97-1.05x at 128-1024).
+- `onednn`: oneDNN's blocked layout (`_reorder_linear_weight`) and `_linear_pointwise`; the
+  same kernels use AMX and AVX512-BF16 for bfloat16, which the native kernel does not do.
+
+Either way the outputs are the same sums in another order: float32 results differ from
+F.linear's by rounding only (about 1e-6 relative).
+
+CpuMatmul modes (FLAGSERVE_CPU_MATMUL, default auto): `aten` is F.linear everywhere; `native`
+and `onednn` pack every linear layer and the LM head; `auto` is native for float32 where the
+native CPU kernels build, else onednn where torch has oneDNN (mkldnn) and the dtype is
+float32, or bfloat16 on a CPU with oneDNN's bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT: an
+AVX2-only CPU has none), else aten.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 
-CpuMatmul = Literal["auto", "aten", "onednn"]
+from kernels import cpu_native
+
+CpuMatmul = Literal["auto", "aten", "native", "onednn"]
 MATMUL_ENV = "FLAGSERVE_CPU_MATMUL"
 # oneDNN picks its blocking for the row count it is told to expect; decode batches and the
 # LM head's sampled rows are in the tens (measured: docs/performance.md, CPU).
@@ -33,13 +44,19 @@ def matmul_mode(device: torch.device, dtype: torch.dtype, requested: str | None 
     mode = requested if requested is not None else os.environ.get(MATMUL_ENV, "auto")
     if mode not in get_args(CpuMatmul):
         raise ValueError(f"{MATMUL_ENV} must be one of {get_args(CpuMatmul)}, got {mode!r}")
-    usable = device.type == "cpu" and torch.backends.mkldnn.is_available() and (
+    cpu = device.type == "cpu"
+    onednn = cpu and torch.backends.mkldnn.is_available() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_supported()))
     if mode == "auto":
-        return "onednn" if usable else "aten"
-    if mode == "onednn" and not usable:
+        if cpu and dtype == torch.float32 and cpu_native.available():
+            return "native"
+        return "onednn" if onednn else "aten"
+    if mode == "onednn" and not onednn:
         raise ValueError(f"{MATMUL_ENV}=onednn needs a CPU model in float32, or bfloat16 on a "
                          f"CPU with oneDNN's bf16 path, and torch built with oneDNN "
+                         f"(device {device}, dtype {dtype})")
+    if mode == "native" and not (cpu and dtype == torch.float32 and cpu_native.available("native")):
+        raise ValueError(f"{MATMUL_ENV}=native needs a CPU model in float32 "
                          f"(device {device}, dtype {dtype})")
     return mode
 
@@ -49,12 +66,25 @@ def bf16_supported() -> bool:
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # noqa: SLF001 - torch's own check
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] reordered into oneDNN's blocked layout (an opaque mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(  # noqa: SLF001 - torch's op (inductor's too)
-        weight.detach().contiguous(), BATCH_HINT)
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [out, in] in the layout of `mode`'s kernel; called as F.linear(x, weight, bias)."""
+    mode: Literal["native", "onednn"]
+    data: torch.Tensor  # native: [ceil(out / 32), in, 32]; onednn: an opaque mkldnn tensor
+    out_features: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.mode == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(  # noqa: SLF001 - torch's op (inductor's too)
+                x, self.data, bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        out = cpu_native.small_linear(rows, self.data, self.out_features, bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) against pack_weight(weight); x is [..., in]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # noqa: SLF001
+def pack_weight(weight: torch.Tensor, mode: Literal["native", "onednn"]) -> PackedWeight:
+    weight = weight.detach().contiguous()
+    if mode == "native":
+        return PackedWeight(mode, cpu_native.pack_linear_weight(weight), weight.shape[0])
+    return PackedWeight(mode, torch.ops.mkldnn._reorder_linear_weight(  # noqa: SLF001
+        weight, BATCH_HINT), weight.shape[0])

@@ -1,10 +1,12 @@
 """Vocabulary embedding and LM head, split over tensor-parallel ranks by vocabulary range."""
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from flagserve.layers.cpu_matmul import pack_weight, packed_linear
+from flagserve.layers.cpu_matmul import PackedWeight, pack_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,18 +35,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    packed: torch.Tensor | None = None  # oneDNN's copy of weight (cpu_matmul.py), once packed
+    packed: PackedWeight | None = None  # the kernel's copy of weight (cpu_matmul.py), once packed
 
-    def pack_for_cpu(self) -> None:
-        """Multiply by oneDNN's packed copy of the weight from now on. The dense weight stays:
-        with tied embeddings it is the embedding's."""
-        self.packed = pack_weight(self.weight)
+    def pack_for_cpu(self, mode: Literal["native", "onednn"]) -> None:
+        """Multiply by a packed copy of the weight from now on. The dense weight stays: with
+        tied embeddings it is the embedding's."""
+        self.packed = pack_weight(self.weight, mode)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> fp32 logits [N, vocab_size] on TP rank 0, the rank that samples;
         None on the other ranks (gathering the vocabulary anywhere else is wasted traffic)."""
         logits = (F.linear(hidden, self.weight) if self.packed is None
-                  else packed_linear(hidden, self.packed, None)).float()
+                  else self.packed(hidden, None)).float()
         if self.tp_size > 1:
             dst = dist.get_global_rank(self.tp_group, 0)
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -3,14 +3,16 @@
 Column-parallel layers split the output dim across tensor-parallel ranks, row-parallel ones
 split the input dim and all-reduce the partial sums. With tp_size == 1 they are plain linears.
 Fused layers (QKV, gate|up) load each HF projection into its slice of one weight.
-On CPU the engine may pack the weights for oneDNN after loading (pack_for_cpu, cpu_matmul.py).
+On CPU the engine packs the weights for its matmul kernel after loading (pack_for_cpu, cpu_matmul.py).
 """
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from flagserve.layers.cpu_matmul import pack_weight, packed_linear
+from flagserve.layers.cpu_matmul import PackedWeight, pack_weight
 
 
 class LinearBase(nn.Module):
@@ -23,20 +25,20 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
-        self.packed: torch.Tensor | None = None  # oneDNN's copy of weight, once packed
+        self.packed: PackedWeight | None = None  # the kernel's copy of weight, once packed
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded[:])
 
-    def pack_for_cpu(self) -> None:
-        """Multiply by oneDNN's packed copy of the weight from now on; the dense weight is
-        released (nothing reads it after loading)."""
-        self.packed = pack_weight(self.weight)
+    def pack_for_cpu(self, mode: Literal["native", "onednn"]) -> None:
+        """Multiply by a packed copy of the weight from now on; the dense weight is released
+        (nothing reads it after loading)."""
+        self.packed = pack_weight(self.weight, mode)
         self.weight.data = self.weight.data.new_empty(0)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
+            return self.packed(x, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,116 @@
+// The float32 linear layers on CPU (issue 16; chosen in flagserve/layers/cpu_matmul.py).
+//
+// oneDNN's packed matmul streamed a decode step's weights at ~20 GB/s when the step had 1-16
+// rows, where this machine reads 47 GB/s: a batch-1 token spent 27 ms in SmolLM2's linears
+// against a 12 ms read floor. Here the weight is packed once into tiles of kTile output
+// columns, [N / kTile][K][kTile], so a tile is one contiguous stream; the kernel keeps
+// kRows x kTile outputs in registers and, per k, loads the tile's row once and multiplies it
+// by kRows broadcast inputs: no horizontal sums, each weight byte read from memory once per
+// call. Numerics: each output is one float32 FMA chain over k in order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kTile = 32;                     // output columns per packed tile
+constexpr int64_t kVecs = kTile / Vec::size();    // 2 (AVX-512) or 4 (AVX2) registers per row
+constexpr int64_t kRows = Vec::size() == 16 ? 8 : 2;  // accumulators: kRows * kVecs <= 16
+
+// Rows [0, R) of one tile: out = init + x . w (init: the tile's bias, or null for zeros), the
+// sums in registers from the first k to the last.
+template <int64_t R>
+void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const float* init,
+               float* out, int64_t ldo, int64_t cols) {
+  Vec acc[R][kVecs];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < kVecs; ++j)
+      acc[r][j] = init == nullptr ? Vec(0.f) : Vec::loadu(init + j * Vec::size());
+  for (int64_t k = 0; k < K; ++k) {
+    Vec wv[kVecs];
+    for (int64_t j = 0; j < kVecs; ++j) wv[j] = Vec::loadu(w + k * kTile + j * Vec::size());
+    for (int64_t r = 0; r < R; ++r) {
+      const Vec xb(x[r * ldx + k]);
+      for (int64_t j = 0; j < kVecs; ++j) acc[r][j] = at::vec::fmadd(xb, wv[j], acc[r][j]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (cols == kTile) {
+      for (int64_t j = 0; j < kVecs; ++j) acc[r][j].store(out + r * ldo + j * Vec::size());
+      continue;
+    }
+    float row[kTile];  // the last tile of an N that is not a multiple of kTile
+    for (int64_t j = 0; j < kVecs; ++j) acc[r][j].store(row + j * Vec::size());
+    std::copy(row, row + cols, out + r * ldo);
+  }
+}
+
+template <int64_t R = kRows>
+void rows_of_tile(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t K,
+                  const float* init, float* out, int64_t ldo, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_of_tile<R - 1>(rows, x, ldx, w, K, init, out, ldo, cols);
+  }
+  tile_rows<R>(x, ldx, w, K, init, out, ldo, cols);
+}
+
+// [N, K] -> [ceil(N / kTile), K, kTile], the columns past N zero.
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight: [N, K] float32");
+  const int64_t N = weight.size(0), K = weight.size(1), tiles = (N + kTile - 1) / kTile;
+  at::Tensor padded = at::zeros({tiles * kTile, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({tiles, kTile, K}).transpose(1, 2).contiguous();
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "x: [M, K] float32, rows contiguous");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kTile &&
+              packed.size(1) == x.size(1) && packed.size(0) == (N + kTile - 1) / kTile,
+              "packed: pack_linear_weight of an [N, K] weight");
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0);
+  at::Tensor init;  // the bias padded to whole tiles
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat,
+                "bias: [N] float32");
+    init = at::zeros({tiles * kTile}, x.options());
+    init.narrow(0, 0, N).copy_(*bias);
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  const float* ip = init.defined() ? init.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // Tiles to threads; a thread's rows go in blocks of kRows, the tile's weights read from
+  // memory for the first block and from L2 for the others. (Chunks of k that every block
+  // ran before the next chunk, to read each weight from L1, were slower: 0.7-0.9x.)
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t cols = std::min(kTile, N - t * kTile);
+      for (int64_t m = 0; m < M; m += kRows) {
+        rows_of_tile(std::min(kRows, M - m), xp + m * ldx, ldx, wp + t * K * kTile, K,
+                     ip == nullptr ? nullptr : ip + t * kTile, op + m * N + t * kTile, N, cols);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(flagserve_cpu, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("small_linear", &small_linear);
+}

@@ -1,0 +1,53 @@
+"""The native float32 linear (kernels/csrc/cpu_linear.cpp) against F.linear in float64: every
+row block size (the kernel's register blocks and their tails), output widths that are not a
+multiple of its 32-column tile, bias, strided inputs, and a result as close to the exact sum
+as F.linear's own."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.available(),
+                                reason="the native kernels are CPU-only and need a C++ compiler")
+
+
+def _check(x, weight, bias=None):
+    packed = cpu_native.pack_linear_weight(weight)
+    assert packed.shape == ((weight.shape[0] + 31) // 32, weight.shape[1], 32)
+    got = cpu_native.small_linear(x, packed, weight.shape[0], bias)
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    ours = (got.double() - exact).abs().max().item()
+    theirs = (F.linear(x, weight, bias).double() - exact).abs().max().item()
+    assert got.shape == exact.shape and got.dtype == torch.float32
+    # float32 rounding of a K-term sum: the same order of error as F.linear's
+    assert ours <= max(4 * theirs, 1e-5), (ours, theirs)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 64, 130])
+@pytest.mark.parametrize("out_features", [1, 31, 32, 33, 100])
+def test_matches_f_linear(rows, out_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, 72, generator=gen)
+    weight = torch.randn(out_features, 72, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    _check(x, weight)
+    _check(x, weight, bias)
+
+
+def test_strided_rows_and_a_large_layer():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 1200, generator=gen)
+    _check(x[::3, 100:676], torch.randn(3072, 576, generator=gen) * 0.05)  # rows apart in memory
+    _check(x[:5, :576].t().contiguous().t(), torch.randn(96, 576, generator=gen))  # column-major: copied
+
+
+def test_refuses_what_it_cannot_read():
+    weight = torch.randn(40, 16)
+    packed = cpu_native.pack_linear_weight(weight)
+    with pytest.raises(RuntimeError, match="packed"):
+        cpu_native.small_linear(torch.randn(2, 8), packed, 40, None)  # K differs
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_native.small_linear(torch.randn(2, 16, dtype=torch.float64), packed, 40, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_native.small_linear(torch.randn(2, 16), packed, 40, torch.randn(39))
