@@ -18,9 +18,9 @@ def test_an_engine_owning_every_core_binds_one_thread_per_core():
     assert plan == ThreadPlan(2, (0, 1))
     assert plan.env() == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
                           "OMP_PLACES": "{0},{1}", "OMP_PROC_BIND": "close",
-                          "OMP_WAIT_POLICY": "PASSIVE"}
-    for users in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}):  # the user's stays
-        assert "OMP_WAIT_POLICY" not in plan.env(users)
+                          "GOMP_SPINCOUNT": "3000"}
+    for users in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "10000"}):  # the user's stays
+        assert "GOMP_SPINCOUNT" not in plan.env(users)
 
 
 def test_unset_reservation_means_every_allowed_core():

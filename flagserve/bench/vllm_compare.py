@@ -53,7 +53,7 @@ def hf_directory(model: str) -> str:
 
 
 # FlagServe's own runtime settings (cpu_runtime.runtime_env) stay out of vLLM's process.
-OURS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "OMP_WAIT_POLICY",
+OURS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "GOMP_SPINCOUNT",
         "LD_PRELOAD")
 
 

@@ -21,16 +21,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 BIND_ENV = "FLAGSERVE_CPU_BIND"
-# How OpenMP threads wait at a barrier (one per op). GNU OpenMP spins ~300k iterations by
-# default: when another process takes one of the team's cores, the spinning thread waits out
-# a scheduler time slice for its descheduled partner, op after op (2 threads ran 15x slower
-# than 1 on the shared 2-core machine). A served engine is never alone on its cores (the
-# replica's HTTP and the clients run there too), and served, a short spin (GOMP_SPINCOUNT=
-# 10000) still lost 0.57x to one thread, while a passive wait matched it; offline on a
-# quiet machine the short spin won 1.31x and passive 0.98x (docs/performance.md, CPU).
-# Passive is never the disaster, so it is the default; the user's OMP_WAIT_POLICY or
-# GOMP_SPINCOUNT wins.
-WAIT_POLICY = "PASSIVE"
+# How OpenMP threads wait at a barrier (one per op). GNU OpenMP spins ~300k iterations (~7 ms
+# here) by default: when another process takes one of the team's cores, the spinning thread
+# waits out a scheduler time slice for its descheduled partner, op after op (2 threads ran
+# 15x slower than 1 on the shared 2-core machine). A passive wait never collapses, but pays a
+# wake-up per op: 10-13% of a SmolLM2 decode step, 1.2-1.4x at a few rows. A short spin
+# (3000 iterations, ~75 us: longer than the gap between a step's ops, far shorter than a time
+# slice) keeps the team awake through a step and sleeps between steps: +10% offline on issue
+# 16's workload, none lost served (docs/performance.md, CPU); where a neighbour does take the
+# core, the thread tuner (cpu_threads.py) falls back to one thread. The user's
+# OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+SPIN_COUNT = "3000"
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class ThreadPlan:
         env = {"OMP_NUM_THREADS": str(self.num_threads), "MKL_NUM_THREADS": str(self.num_threads)}
         current = current or {}
         if self.num_threads > 1 and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(current):
-            env["OMP_WAIT_POLICY"] = WAIT_POLICY  # why: the comment on WAIT_POLICY
+            env["GOMP_SPINCOUNT"] = SPIN_COUNT  # why: the comment on SPIN_COUNT
         if self.cpus:
             env["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in self.cpus)
             env["OMP_PROC_BIND"] = "close"
