@@ -5,8 +5,8 @@ is compiled by a first pass of 4 requests, so the figures are the per-step maski
 Ends with the ratio of the best (lowest) median ITL of each over the passes.
 
 The engine runs with the OpenMP settings of a served engine process (cpu_runtime's thread
-plan: passive waits), applied before torch loads. With GNU OpenMP's default (spinning) waits
-the engine's second thread spins on the core the grammar process needs: --omp-default keeps
+plan: a short spin), applied before torch loads. With GNU OpenMP's default (~7 ms) spin the
+engine's second thread spins on the core the grammar process needs: --omp-default keeps
 that default, to measure it.
 
     .venv/bin/python benchmarks/structured_itl.py <model dir> [--reps 2] [--omp-default]
