@@ -39,6 +39,15 @@ def test_keeps_the_count_within_the_margin_or_slower():
     assert tuner.best == 2
 
 
+def test_a_hopeless_first_pair_ends_the_trial():
+    tuner = make([])
+    used = run(tuner, {2: 0.1, 1: 0.16}, 10 + 6)  # one thread 1.6x slower: one pair is enough
+    assert used == [2] * 10 + [2, 1] + [2] * 4 and tuner.best == 2 and tuner.period == 20
+    tuner = make([])
+    used = run(tuner, {2: 0.1, 1: 0.14}, 10 + 6)  # 1.4x: the whole trial, in case it was noise
+    assert used == [2] * 10 + [2, 1, 1, 2, 2, 1] and tuner.best == 2
+
+
 def test_the_first_trial_comes_early():
     tuner = ThreadTuner((2, 1), [].append, period=64, pairs=3, first=8)
     assert run(tuner, {2: 0.2, 1: 0.1}, 14) == [2] * 8 + [2, 1, 1, 2, 2, 1]
@@ -52,7 +61,7 @@ def test_trials_that_keep_the_count_come_less_often_until_one_switches():
         run(tuner, {2: 0.1, 1: 0.2}, tuner.period + 6)  # two threads stay faster
         periods.append(tuner.period)
     assert periods == [20, 40, 40, 40] and tuner.best == 2
-    run(tuner, {2: 0.2, 1: 0.1}, tuner.period + 6)  # now one is: a switch, and back to 10
+    run(tuner, {2: 0.2, 1: 0.1}, tuner.period - tuner.since_trial + 6)  # now one is: a switch, and back to 10
     assert tuner.best == 1 and tuner.period == 10
 
 

@@ -16,6 +16,10 @@ SmolLM2 went to one thread on a single pair in its first second and stayed there
 period of its slow steps) at two thirds of the throughput (docs/performance.md, CPU,
 2026-11-26), so a switch is now confirmed or undone at once. Steps of more than `max_tokens`
 (a burst's long prefills) never take part: one of them run on the slower count costs seconds.
+A trial whose first pair ran `hopeless` (1.5x) slower per token on the other count ends
+there: on a quiet machine one thread runs a SmolLM2 decode step ~1.8x slower, and the two
+more such steps of a whole trial cost more than they could tell (with the tuner off, issue
+16's offline workload ran up to 8% faster: docs/performance.md, CPU).
 
 FLAGSERVE_CPU_THREAD_TUNING=on (default where the engine has more than one thread) | off.
 """
@@ -42,12 +46,12 @@ class ThreadTuner:
     def __init__(self, counts: tuple[int, int], set_threads: Callable[[int], None],
                  period: int = 64, pairs: int = 3, margin: float = 0.05, similar: float = 1.25,
                  first: int = 8, max_period: int = 512, max_tokens: int = 512,
-                 min_pairs: int = 2):
+                 min_pairs: int = 2, hopeless: float = 1.5):
         self.counts, self.set_threads = counts, set_threads
         self.best, self.current = counts[0], counts[0]
         self.period, self.pairs, self.margin, self.similar = period, pairs, margin, similar
         self.base_period, self.max_period, self.max_tokens = period, max_period, max_tokens
-        self.first, self.min_pairs = first, min_pairs
+        self.first, self.min_pairs, self.hopeless = first, min_pairs, hopeless
         # steps since the last trial ended; the first trial comes after `first` steps, not a
         # whole period: a loaded server's steps take up to a second each
         self.since_trial = period - first
@@ -78,20 +82,27 @@ class ThreadTuner:
             return
         self.plan.pop(0)
         self.samples.append((tokens, threads, seconds))
+        if len(self.samples) == 2 and (first := self._speedups()) and first[0] < 1 / self.hopeless:
+            self.plan = []  # why: the class docstring, "hopeless"
         if not self.plan:
             best, self.best = self.best, self._winner()
             kept = best == self.best
             self.period = min(2 * self.period, self.max_period) if kept else self.base_period
             self.since_trial = 0 if kept else self.period - self.first
 
-    def _winner(self) -> int:
-        """The other count if its steps took less time per token than the best's, pair by
-        pair (pairs of similar token counts only, at least `min_pairs` of them)."""
+    def _speedups(self) -> list[float]:
+        """Per pair of similar token counts, how much faster per token the other count ran."""
         speedups = []
         for a, b in zip(self.samples[::2], self.samples[1::2]):
             if max(a[0], b[0]) <= self.similar * min(a[0], b[0]):  # comparable steps
                 mine, other = (a, b) if a[1] == self.best else (b, a)
                 speedups.append((mine[2] / mine[0]) / (other[2] / other[0]))
+        return speedups
+
+    def _winner(self) -> int:
+        """The other count if its steps took less time per token than the best's, pair by
+        pair (at least `min_pairs` pairs)."""
+        speedups = self._speedups()
         speedup = statistics.median(speedups) if len(speedups) >= self.min_pairs else 1.0
         if speedup > 1 + self.margin:
             other = next(c for c in self.counts if c != self.best)
