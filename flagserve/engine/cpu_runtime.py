@@ -21,16 +21,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 BIND_ENV = "FLAGSERVE_CPU_BIND"
-# How OpenMP threads wait at a barrier (one per op). GNU OpenMP spins ~300k iterations (~7 ms
-# here) by default: when another process takes one of the team's cores, the spinning thread
-# waits out a scheduler time slice for its descheduled partner, op after op (2 threads ran
-# 15x slower than 1 on the shared 2-core machine). A passive wait never collapses, but pays a
-# wake-up per op: 10-13% of a SmolLM2 decode step, 1.2-1.4x at a few rows. A short spin
-# (3000 iterations, ~75 us: longer than the gap between a step's ops, far shorter than a time
-# slice) keeps the team awake through a step and sleeps between steps: +10% offline on issue
-# 16's workload, none lost served (docs/performance.md, CPU); where a neighbour does take the
-# core, the thread tuner (cpu_threads.py) falls back to one thread. The user's
-# OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+# How OpenMP threads wait at a barrier (one per op). GNU OpenMP spins ~300k iterations (ms) by
+# default: when another process takes one of the team's cores, the spinning thread waits out
+# a scheduler time slice for its descheduled partner, op after op. A passive wait never
+# collapses, but pays a wake-up per op, a large share of a small decode step. A short spin
+# (3000 iterations, tens of us: longer than the gap between a step's ops, far shorter than a
+# time slice) keeps the team awake through a step and sleeps between steps; where a neighbour
+# does take a core, the thread tuner (cpu_threads.py) falls back to one thread. Measured:
+# docs/performance.md, CPU. The user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 SPIN_COUNT = "3000"
 
 

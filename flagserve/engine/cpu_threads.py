@@ -17,9 +17,8 @@ period of its slow steps) at two thirds of the throughput (docs/performance.md, 
 2026-11-26), so a switch is now confirmed or undone at once. Steps of more than `max_tokens`
 (a burst's long prefills) never take part: one of them run on the slower count costs seconds.
 A trial whose first pair ran `hopeless` (1.5x) slower per token on the other count ends
-there: on a quiet machine one thread runs a SmolLM2 decode step ~1.8x slower, and the two
-more such steps of a whole trial cost more than they could tell (with the tuner off, issue
-16's offline workload ran up to 8% faster: docs/performance.md, CPU).
+there: on a quiet machine one thread runs a decode step far slower, and the two more such
+steps of a whole trial cost more than they could tell (docs/performance.md, CPU).
 
 FLAGSERVE_CPU_THREAD_TUNING=on (default where the engine has more than one thread) | off.
 """

@@ -6,9 +6,9 @@ SmolLM2's LM head, [49152, 576], 8 rows take 3-4x as long as one). So the engine
 weight once, at load, into a layout its kernel reads as it is:
 
 - `native` (float32): FlagServe's own kernel (kernels/csrc/cpu_linear.cpp), tiles of 32
-  output columns each stored as one stream. It reads a decode step's weights at up to ~32
-  GB/s where oneDNN reached ~20, and matches oneDNN at hundreds of rows (docs/performance.md,
-  CPU: 1.4-1.9x at 1-8 rows, 1.0-1.3x at 16-64, 0.97-1.05x at 128-1024).
+  output columns each stored as one stream: faster than oneDNN on the few rows of a decode
+  step, where oneDNN left memory bandwidth unused, and on par at hundreds of rows
+  (docs/performance.md, CPU).
 - `onednn`: oneDNN's blocked layout (`_reorder_linear_weight`) and `_linear_pointwise`; the
   same kernels use AMX and AVX512-BF16 for bfloat16, which the native kernel does not do.
 

@@ -1,8 +1,7 @@
 // The float32 linear layers on CPU (issue 16; chosen in flagserve/layers/cpu_matmul.py).
 //
-// oneDNN's packed matmul streamed a decode step's weights at ~20 GB/s when the step had 1-16
-// rows, where this machine reads 47 GB/s: a batch-1 token spent 27 ms in SmolLM2's linears
-// against a 12 ms read floor. Here the weight is packed once into tiles of kTile output
+// oneDNN's packed matmul read a decode step's weights at well under the memory's bandwidth
+// when the step had a few rows (docs/performance.md, CPU). Here the weight is packed once into tiles of kTile output
 // columns, [N / kTile][K][kTile], so a tile is one contiguous stream; the kernel keeps
 // kRows x kTile outputs in registers and, per k, loads the tile's row once and multiplies it
 // by kRows broadcast inputs: no horizontal sums, each weight byte read from memory once per
