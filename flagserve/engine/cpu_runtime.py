@@ -21,13 +21,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 BIND_ENV = "FLAGSERVE_CPU_BIND"
-# How OpenMP threads wait at a barrier (one per op). GNU OpenMP spins ~300k iterations (ms) by
-# default: when another process takes one of the team's cores, the spinning thread waits out
-# a scheduler time slice for its descheduled partner, op after op. A passive wait never
-# collapses, but pays a wake-up per op, a large share of a small decode step. A short spin
-# (3000 iterations, tens of us: longer than the gap between a step's ops, far shorter than a
-# time slice) keeps the team awake through a step and sleeps between steps; where a neighbour
-# does take a core, the thread tuner (cpu_threads.py) falls back to one thread. Measured:
+# How OpenMP threads wait at a barrier (one per op). GNU OpenMP spins ~300k iterations
+# (milliseconds) by default: when another process takes one of the team's cores, the spinning
+# thread waits out a scheduler time slice for its descheduled partner, op after op. A passive wait
+# never collapses, but pays a wake-up per op, a large share of a small decode step. A short spin
+# (3000 iterations, tens of us: longer than the gap between a step's ops, far shorter than a time
+# slice) keeps the team awake through a step and sleeps between steps; where a neighbour does take
+# a core, the thread tuner (cpu_threads.py) falls back to one thread. Measured:
 # docs/performance.md, CPU. The user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 SPIN_COUNT = "3000"
 

@@ -45,17 +45,18 @@ def matmul_mode(device: torch.device, dtype: torch.dtype, requested: str | None 
     if mode not in get_args(CpuMatmul):
         raise ValueError(f"{MATMUL_ENV} must be one of {get_args(CpuMatmul)}, got {mode!r}")
     cpu = device.type == "cpu"
+    cpu_float32 = cpu and dtype == torch.float32
     onednn = cpu and torch.backends.mkldnn.is_available() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_supported()))
     if mode == "auto":
-        if cpu and dtype == torch.float32 and cpu_native.available():
+        if cpu_float32 and cpu_native.available():
             return "native"
         return "onednn" if onednn else "aten"
     if mode == "onednn" and not onednn:
         raise ValueError(f"{MATMUL_ENV}=onednn needs a CPU model in float32, or bfloat16 on a "
                          f"CPU with oneDNN's bf16 path, and torch built with oneDNN "
                          f"(device {device}, dtype {dtype})")
-    if mode == "native" and not (cpu and dtype == torch.float32 and cpu_native.available("native")):
+    if mode == "native" and not (cpu_float32 and cpu_native.available("native")):
         raise ValueError(f"{MATMUL_ENV}=native needs a CPU model in float32 "
                          f"(device {device}, dtype {dtype})")
     return mode
@@ -78,7 +79,7 @@ class PackedWeight:
             return torch.ops.mkldnn._linear_pointwise(  # noqa: SLF001 - torch's op (inductor's too)
                 x, self.data, bias, "none", [], "")
         rows = x.reshape(-1, x.shape[-1])
-        out = cpu_native.small_linear(rows, self.data, self.out_features, bias)
+        out = cpu_native.packed_linear(rows, self.data, self.out_features, bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 

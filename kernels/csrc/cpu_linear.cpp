@@ -1,8 +1,9 @@
 // The float32 linear layers on CPU (issue 16; chosen in flagserve/layers/cpu_matmul.py).
 //
 // oneDNN's packed matmul read a decode step's weights at well under the memory's bandwidth
-// when the step had a few rows (docs/performance.md, CPU). Here the weight is packed once into tiles of kTile output
-// columns, [N / kTile][K][kTile], so a tile is one contiguous stream; the kernel keeps
+// when the step had a few rows (docs/performance.md, CPU). Here the weight is packed once
+// into tiles of kTile output columns, [N / kTile][K][kTile], so a tile is one contiguous
+// stream; the kernel keeps
 // kRows x kTile outputs in registers and, per k, loads the tile's row once and multiplies it
 // by kRows broadcast inputs: no horizontal sums, each weight byte read from memory once per
 // call. Numerics: each output is one float32 FMA chain over k in order.
@@ -20,8 +21,8 @@ constexpr int64_t kTile = 32;                     // output columns per packed t
 constexpr int64_t kVecs = kTile / Vec::size();    // 2 (AVX-512) or 4 (AVX2) registers per row
 constexpr int64_t kRows = Vec::size() == 16 ? 8 : 2;  // accumulators: kRows * kVecs <= 16
 
-// Rows [0, R) of one tile: out = init + x . w (init: the tile's bias, or null for zeros), the
-// sums in registers from the first k to the last.
+// Rows [0, R) of one tile: out = init + x . w (init: the tile's kTile bias values, or null for
+// zeros), the sums in registers from the first k to the last.
 template <int64_t R>
 void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const float* init,
                float* out, int64_t ldo, int64_t cols) {
@@ -66,7 +67,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({tiles, kTile, K}).transpose(1, 2).contiguous();
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                         const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
               "x: [M, K] float32, rows contiguous");
@@ -74,17 +75,16 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N
               packed.size(1) == x.size(1) && packed.size(0) == (N + kTile - 1) / kTile,
               "packed: pack_linear_weight of an [N, K] weight");
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0);
-  at::Tensor init;  // the bias padded to whole tiles
+  at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat,
                 "bias: [N] float32");
-    init = at::zeros({tiles * kTile}, x.options());
-    init.narrow(0, 0, N).copy_(*bias);
+    b = bias->contiguous();
   }
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
-  const float* ip = init.defined() ? init.data_ptr<float>() : nullptr;
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   // Tiles to threads; a thread's rows go in blocks of kRows, the tile's weights read from
@@ -93,9 +93,15 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t cols = std::min(kTile, N - t * kTile);
+      const float* init = bp == nullptr ? nullptr : bp + t * kTile;
+      float padded[kTile];  // the last tile's bias, read as whole vectors
+      if (init != nullptr && cols < kTile) {
+        std::fill(std::copy(init, init + cols, padded), padded + kTile, 0.f);
+        init = padded;
+      }
       for (int64_t m = 0; m < M; m += kRows) {
-        rows_of_tile(std::min(kRows, M - m), xp + m * ldx, ldx, wp + t * K * kTile, K,
-                     ip == nullptr ? nullptr : ip + t * kTile, op + m * N + t * kTile, N, cols);
+        rows_of_tile(std::min(kRows, M - m), xp + m * ldx, ldx, wp + t * K * kTile, K, init,
+                     op + m * N + t * kTile, N, cols);
       }
     }
   });
@@ -106,10 +112,10 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N
 
 TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("small_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flagserve_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
-  m.impl("small_linear", &small_linear);
+  m.impl("packed_linear", &packed_linear);
 }

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.avai
 def _check(x, weight, bias=None):
     packed = cpu_native.pack_linear_weight(weight)
     assert packed.shape == ((weight.shape[0] + 31) // 32, weight.shape[1], 32)
-    got = cpu_native.small_linear(x, packed, weight.shape[0], bias)
+    got = cpu_native.packed_linear(x, packed, weight.shape[0], bias)
     exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     ours = (got.double() - exact).abs().max().item()
     theirs = (F.linear(x, weight, bias).double() - exact).abs().max().item()
@@ -46,8 +46,8 @@ def test_refuses_what_it_cannot_read():
     weight = torch.randn(40, 16)
     packed = cpu_native.pack_linear_weight(weight)
     with pytest.raises(RuntimeError, match="packed"):
-        cpu_native.small_linear(torch.randn(2, 8), packed, 40, None)  # K differs
+        cpu_native.packed_linear(torch.randn(2, 8), packed, 40, None)  # K differs
     with pytest.raises(RuntimeError, match="float32"):
-        cpu_native.small_linear(torch.randn(2, 16, dtype=torch.float64), packed, 40, None)
+        cpu_native.packed_linear(torch.randn(2, 16, dtype=torch.float64), packed, 40, None)
     with pytest.raises(RuntimeError, match="bias"):
-        cpu_native.small_linear(torch.randn(2, 16), packed, 40, torch.randn(39))
+        cpu_native.packed_linear(torch.randn(2, 16), packed, 40, torch.randn(39))
