@@ -117,6 +117,10 @@ def bench_ms(fn, cuda_graph: bool) -> float:
         fn()
         return (time.perf_counter() - start) * 1e3
     if cuda_graph:
+        # do_bench_cudagraph runs fn on a stream of its own that does not wait for the default
+        # stream: unsynchronised, its first call read a block table still being written
+        # (an illegal address at batch 32 x 8192 on an H200).
+        torch.cuda.synchronize()
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 

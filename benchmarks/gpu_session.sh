@@ -50,8 +50,8 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
 # the 8B shape, step by step (what async scheduling buys), batch-1 without graphs (what they
 # buy, and a figure even if capture fails), then the tile sweeps.
 ALL=(latency_qwen3 nanovllm_qwen3 tests attention latency_llama3_8b nanovllm_qwen3_sync
-     latency_qwen3_sync latency_qwen3_eager decode_splits prefill_sweep attention_autotune
-     attention_sweep attention_graph)
+     nanovllm_qwen3_16k latency_qwen3_sync latency_qwen3_eager attention_graph decode_splits
+     prefill_sweep attention_autotune attention_sweep)
 
 # name -> "limit-seconds command..." (the command sees $logs/<name>.json for --json)
 spec() {
@@ -65,14 +65,19 @@ spec() {
     nanovllm_qwen3) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases --profile 8 $json ;;
     nanovllm_qwen3_sync) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases \
       --no-async-scheduling $json ;;
+    # nano-vllm's own token budget per step (ours defaults to 4096): prefill steps run eagerly,
+    # so fewer, larger ones cost less host time (37 prefill steps were 16-19% of the run).
+    nanovllm_qwen3_16k) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases \
+      --max-num-batched-tokens 16384 $json ;;
     attention) echo 120 "$py" benchmarks/attention.py --dtype bfloat16 ;;
     # Every decode tile of the sweep space on a few shapes: what retuning DECODE_TILES needs.
     attention_sweep) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 --only decode \
       --sweep-tiles --batches 1 8 64 256 --contexts 512 8192 ;;
     # Decode split counts at the batches that leave SMs idle: what the path choice
     # (SINGLE_PASS_MAX_BYTES, MIN_SPLIT_TOKENS: the batch-1 fixed cost) needs.
+    # In CUDA graphs, as the engine runs decode: eager timings under ~50 us are launch noise.
     decode_splits) echo 90 "$py" benchmarks/attention.py --dtype bfloat16 --only decode \
-      --sweep-splits --batches 1 4 8 16 32 --contexts 512 2048 8192 ;;
+      --cuda-graph --sweep-splits --batches 1 4 8 16 32 64 --contexts 512 2048 8192 ;;
     # Every prefill tile (BLOCK_M too, which autotune cannot vary) on a few shapes: what
     # retuning PREFILL_TILES needs.
     prefill_sweep) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 --only prefill \

@@ -42,9 +42,11 @@ DECODE_TILE_FP32 = Tile(16, 16, 4, 2)  # IEEE FMA dots: registers, not bandwidth
 # first (8 warps, 64-key tiles, 3 stages, no spills); then measured on an H200
 # (benchmarks/attention.py with FLAGSERVE_TRITON_AUTOTUNE=1, docs/performance.md "GPU"):
 # 32-key tiles over 4 warps and 2 stages beat them by 1.15-1.25x at head_dim 128 and 2x at
-# 256, despite 64-120 bytes of spills; at 64 the table's entry stayed as fast or faster.
+# 256, despite 64-120 bytes of spills; at 64 the table's entry stayed as fast or faster. A
+# later sweep of every tile (BLOCK_M too) kept 128's and moved 256 to 128 rows x 64 keys over
+# 8 warps (1.03-1.12x the 64 x 32 x 4-warp tile, 72 bytes of spills).
 PREFILL_TILES = {64: Tile(128, 64, 8, 3), 128: Tile(128, 32, 4, 2, spills=True),
-                 256: Tile(64, 32, 4, 2, spills=True)}
+                 256: Tile(128, 64, 8, 2, spills=True)}
 PREFILL_TILE_FP32 = Tile(32, 16, 8, 2)  # IEEE FMA dots need far more registers
 
 
