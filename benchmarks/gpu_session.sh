@@ -62,7 +62,8 @@ spec() {
     latency_qwen3_sync) echo 60 "$py" "${QWEN3[@]}" "${LATENCY[@]}" --no-async-scheduling $json ;;
     latency_llama3_8b) echo 90 "$py" benchmarks/throughput.py --shape llama3-8b --dtype bfloat16 \
       "${LATENCY[@]}" $json ;;
-    nanovllm_qwen3) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases --profile 8 $json ;;
+    nanovllm_qwen3) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases --profile 8 \
+      --profile-prefill 4 $json ;;
     nanovllm_qwen3_sync) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases \
       --no-async-scheduling $json ;;
     # nano-vllm's own token budget per step (ours defaults to 4096): prefill steps run eagerly,

@@ -25,7 +25,12 @@ from typing import get_args
 
 import torch
 
-from flagserve.bench.throughput_latency import decode_latency, profile_batch_decode, profile_decode
+from flagserve.bench.throughput_latency import (
+    decode_latency,
+    profile_batch_decode,
+    profile_batch_prefill,
+    profile_decode,
+)
 from flagserve.bench.throughput_phases import PhaseTimer, StepMix, phase_table
 from flagserve.bench.throughput_roofline import (
     floor_seconds,
@@ -95,6 +100,9 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
         result["step_mix"] = mix.table()
     if getattr(args, "profile", 0):
         result["profile"] = profile_batch_decode(llm, work.prompts[:args.max_num_seqs], args.profile)
+    if getattr(args, "profile_prefill", 0):
+        result["profile_prefill"] = profile_batch_prefill(llm, work.prompts[:args.max_num_seqs],
+                                                          args.profile_prefill)
     return elapsed, result
 
 
@@ -195,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also print a torch profile of STEPS decode steps (throughput runs: "
                              "of the whole batch decoding together, after the timed run)")
+    parser.add_argument("--profile-prefill", type=int, default=0, metavar="STEPS",
+                        help="also print a torch profile of the first STEPS steps of the whole "
+                             "batch added at once (chunked prefill steps; throughput runs)")
     parser.add_argument("--phases", action="store_true",
                         help="also time each phase of the engine step (host work per output token)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -227,8 +238,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-layers takes a positive count and needs --shape")
     if args.phases and args.latency:
         parser.error("--phases times the throughput run; leave out --latency")
-    if args.profile < 0:
-        parser.error("--profile takes a positive number of steps")
+    if args.profile < 0 or args.profile_prefill < 0:
+        parser.error("--profile and --profile-prefill take a positive number of steps")
+    if args.profile_prefill and args.latency:
+        parser.error("--profile-prefill profiles the throughput run's batch; leave out --latency")
     for name in ("input_len", "output_len"):
         low, high = getattr(args, name)
         if not 1 <= low <= high:
@@ -325,6 +338,9 @@ def report(args: argparse.Namespace, result: dict) -> None:
     if "profile" in result:
         rows = "batch-1" if a.latency else f"{min(a.num_seqs, a.max_num_seqs)}-sequence"
         print(f"profile of {a.profile} {rows} decode steps:\n{result['profile']}")
+    if "profile_prefill" in result:
+        print(f"profile of the first {a.profile_prefill} prefill steps of "
+              f"{min(a.num_seqs, a.max_num_seqs)} prompts:\n{result['profile_prefill']}")
     print(format_start_up(result))
     print(f"roofline           {result['roofline_ratio']:8.1%} of the bandwidth floor "
           f"({result['floor_seconds']:.3g} s: {result['weight_bytes'] / 1e9:.3g} GB of weights per "

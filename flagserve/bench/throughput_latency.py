@@ -32,13 +32,24 @@ def profile_decode(llm, prompt: list[int], steps: int, rows: int = 25) -> str:
 def profile_batch_decode(llm, prompts: list[list[int]], steps: int, rows: int = 25) -> str:
     """The same table for `steps` steps of all `prompts` decoding together (after every prompt
     is prefilled: steps of the throughput run's batch); the requests are aborted afterwards."""
+    return _profile_batch(llm, prompts, steps, rows, decode=True)
+
+
+def profile_batch_prefill(llm, prompts: list[list[int]], steps: int, rows: int = 25) -> str:
+    """The same table for the first `steps` steps of all `prompts` added at once: chunked
+    prefill steps of the step's token budget (steps with prompt tokens run without CUDA graphs,
+    so this is where a GPU's host time per layer shows)."""
+    return _profile_batch(llm, prompts, steps, rows, decode=False)
+
+
+def _profile_batch(llm, prompts: list[list[int]], steps: int, rows: int, decode: bool) -> str:
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     ids = [f"profile-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
     scheduler = engine.scheduler
-    while scheduler.waiting or prefilling(scheduler.running):
+    while decode and (scheduler.waiting or prefilling(scheduler.running)):
         engine.step()
     table = _profiled_steps(engine, steps, rows)
     for request_id in ids:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flagserve.bench.throughput import format_start_up, main, parse_args
-from flagserve.bench.throughput_latency import profile_batch_decode
+from flagserve.bench.throughput_latency import profile_batch_decode, profile_batch_prefill
 from flagserve.bench.throughput_roofline import kv_bytes, kv_bytes_per_token, weight_bytes
 from flagserve.bench.throughput_shapes import PRESETS, write_shape
 from flagserve.models.config import load_model_config
@@ -22,6 +22,8 @@ QUICK = ["--shape", "qwen3-0.6b", "--num-layers", "1", "--bandwidth-gbs", "10"]
     (["--input-len", "9", "3"], "MIN <= MAX"),
     (["--latency", "--profile", "-2"], "positive"),
     (["--latency", "--phases"], "leave out --latency"),
+    (["--profile-prefill", "-1"], "positive"),
+    (["--latency", "--profile-prefill", "2"], "leave out --latency"),
 ])
 def test_bad_arguments(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -110,6 +112,20 @@ def test_batch_profile_leaves_the_engine_empty(llama_path):
     table = profile_batch_decode(llm, [[5, 6, 7], list(range(3, 40))], 3)
     assert "Self CPU" in table
     assert not llm.llm_engine.has_unfinished() and blocks.num_free_blocks == free
+
+
+def test_prefill_profile_profiles_prompt_steps(llama_path):
+    """The first steps of a batch added at once: chunks of the prompts (the prefill attention
+    runs, the decode attention does not), and the engine is left empty."""
+    from flagserve import LLM
+    llm = LLM(llama_path, dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=16)
+    blocks = llm.llm_engine.block_manager
+    free = blocks.num_free_blocks
+    table = profile_batch_prefill(llm, [list(range(3, 40)), list(range(5, 30))], 2)
+    assert "prefill" in table and "decode_attention" not in table
+    assert not llm.llm_engine.has_unfinished() and blocks.num_free_blocks == free
+    decode = profile_batch_decode(llm, [list(range(3, 40))], 2)
+    assert "decode_attention" in decode  # the test above can fail: the names are in the tables
 
 
 def test_phases_split_the_step_time(capsys):
