@@ -1,5 +1,6 @@
 """The native float32 linear (kernels/csrc/cpu_linear.cpp) against F.linear in float64: every
-row block size (the kernel's register blocks and their tails), output widths that are not a
+row block size (the kernel's register blocks and their tails), inputs long enough to be split
+into row chunks, output widths that are not a
 multiple of its 32-column tile, bias, strided inputs, and a result as close to the exact sum
 as F.linear's own."""
 import pytest
@@ -40,6 +41,29 @@ def test_strided_rows_and_a_large_layer():
     x = torch.randn(20, 1200, generator=gen)
     _check(x[::3, 100:676], torch.randn(3072, 576, generator=gen) * 0.05)  # rows apart in memory
     _check(x[:5, :576].t().contiguous().t(), torch.randn(96, 576, generator=gen))  # column-major: copied
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_long_inputs_in_row_chunks(threads):
+    """Past 8 MB of x the threads split the rows in chunks (a count that is a multiple of the
+    threads'); 1,379 rows of 1,536 (8.5 MB) leave a partial chunk and a partial row block. Each
+    output is the same FMA chain however the rows are split: equal to the rows computed in
+    slices small enough not to be chunked, and within float32's bound for a 1,536-term sum."""
+    gen = torch.Generator().manual_seed(threads)
+    x = torch.randn(1379, 1536, generator=gen)
+    weight, bias = torch.randn(70, 1536, generator=gen), torch.randn(70, generator=gen)
+    packed = cpu_native.pack_linear_weight(weight)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_native.packed_linear(x, packed, 70, bias)
+        sliced = [cpu_native.packed_linear(x[i:i + 500], packed, 70, bias) for i in (0, 500, 1000)]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, torch.cat(sliced))
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    bound = 1536 * 2.0 ** -24 * (x.double().abs() @ weight.double().abs().t() + bias.abs().double())
+    assert ((got.double() - exact).abs() <= bound).all()
 
 
 def test_refuses_what_it_cannot_read():
