@@ -62,8 +62,10 @@ void rows_of_tile(int64_t rows, const float* x, int64_t ldx, const float* w, int
 }
 
 // Rows of x per work item: all of them up to kChunkAbove bytes of x (a decode step: the
-// threads split the tiles), else chunks of about kChunkBytes, their count a multiple of the
-// threads' so that each thread gets as many rows (a long prefill: the threads split the rows).
+// threads split the tiles), else chunks of at most about kChunkBytes (a long prefill: the
+// threads split the rows). The size aims at a chunk count that is a multiple of the threads';
+// rounding it up to kRows can leave fewer chunks, and parallel_for's even split of the items
+// then cuts one chunk between two threads.
 int64_t chunk_rows(int64_t M, int64_t K) {
   const int64_t x_bytes = M * K * int64_t(sizeof(float));
   if (x_bytes <= kChunkAbove) return M;

@@ -1,8 +1,7 @@
 """The native float32 linear (kernels/csrc/cpu_linear.cpp) against F.linear in float64: every
 row block size (the kernel's register blocks and their tails), inputs long enough to be split
-into row chunks, output widths that are not a
-multiple of its 32-column tile, bias, strided inputs, and a result as close to the exact sum
-as F.linear's own."""
+into row chunks, output widths that are not a multiple of its 32-column tile, bias, strided
+inputs, and a result as close to the exact sum as F.linear's own."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,8 +44,9 @@ def test_strided_rows_and_a_large_layer():
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_long_inputs_in_row_chunks(threads):
-    """Past 8 MB of x the threads split the rows in chunks (a count that is a multiple of the
-    threads'); 1,379 rows of 1,536 (8.5 MB) leave a partial chunk and a partial row block. Each
+    """Past 8 MB of x the threads split the rows in chunks; 1,379 rows of 1,536 (8.5 MB) leave
+    a partial chunk, a partial row block and, at 2 threads, 29 chunks (one cut between the
+    threads). Each
     output is the same FMA chain however the rows are split: equal to the rows computed in
     slices small enough not to be chunked, and within float32's bound for a 1,536-term sum."""
     gen = torch.Generator().manual_seed(threads)
