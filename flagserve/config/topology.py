@@ -15,7 +15,7 @@ from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config, LLMModule, ResourcesConfig, Role, ScaleMetric
 from flagserve.engine.core.interface import CoreMode
 from flagserve.engine.engine_args import EngineArgs
-from flagserve.engine.kv_budget import DEFAULT_CHUNKED_BATCH_TOKENS
+from flagserve.engine.kv_budget import default_batched_tokens
 
 
 def ingress_in_engine(config: Config) -> str | None:
@@ -115,7 +115,7 @@ class RoleScaling:
     target: float  # per replica
 
 
-def role_scaling(module: LLMModule, role: Role) -> RoleScaling | None:
+def role_scaling(module: LLMModule, role: Role, hosts: list[Host]) -> RoleScaling | None:
     """The load a role's replicas are autoscaled on, or None for a fixed number of them."""
     rc = getattr(module.disaggregation, role)
     if rc.min_replicas is None and rc.max_replicas is None:
@@ -125,7 +125,7 @@ def role_scaling(module: LLMModule, role: Role) -> RoleScaling | None:
         return RoleScaling("running_requests",
                            rc.target_running_requests
                            or int(args.get("max_num_seqs", EngineArgs.max_num_seqs)))
-    batch = args.get("max_num_batched_tokens") or DEFAULT_CHUNKED_BATCH_TOKENS
+    batch = args.get("max_num_batched_tokens") or default_batched_tokens(uses_gpu(module, hosts))
     return RoleScaling("queued_prompt_tokens", rc.target_queued_tokens or 2 * int(batch))
 
 

@@ -25,7 +25,8 @@ class EngineArgs:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: 4096 with chunked prefill, else max_model_len
+    # default: with chunked prefill 16384 on a GPU, 4096 on CPU (kv_budget.py); else max_model_len
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # default: derived from the memory budget below
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory the engine may use

@@ -66,7 +66,8 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"EngineArgs.max_model_len={self.max_model_len} exceeds the model's "
                              f"{cfg.max_position_embeddings} positions; lower it")
-        batched = batched_tokens(args, self.max_model_len)
+        device_type = resolve_device(args.device).type
+        batched = batched_tokens(args, self.max_model_len, device_type == "cuda")
         if not args.enable_chunked_prefill and batched < self.max_model_len:
             raise ValueError(f"EngineArgs.max_num_batched_tokens={batched} is smaller than max_model_len="
                              f"{self.max_model_len}: without chunked prefill a whole prompt must fit "
@@ -76,7 +77,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         # In this process with TP = PP = 1, else TP x PP shard workers under Ray.
         self.executor = make_executor(args, cfg, self.max_model_len, tuple(eos))
-        self.async_scheduling = args.overlaps_steps(resolve_device(args.device).type, kv_transport)
+        self.async_scheduling = args.overlaps_steps(device_type, kv_transport)
         self.step_inputs = StepInputBuilder(self.async_scheduling)
         # Async scheduling: the step on the device (its sampled sequences and samples)
         self._in_flight: tuple[list[Sequence], DeviceSamples] | None = None

@@ -123,7 +123,7 @@ class ModelRunner:
         """Static step buffers, the buckets of the padded decode path, and in "graph" mode one
         CUDA graph per bucket, every worker capturing its own."""
         args, bs = self.args, self.block_size
-        max_tokens = batched_tokens(args, self.max_model_len)
+        max_tokens = batched_tokens(args, self.max_model_len, self.device.type == "cuda")
         self.buffers = StepBuffers(max_tokens, args.max_num_seqs, -(-self.max_model_len // bs), bs,
                                    self.device)
         self.decode_mode, self.graphs, self.stage_inputs = mode, None, None

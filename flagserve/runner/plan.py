@@ -82,7 +82,7 @@ def _print_engines(config: Config, hosts: list[Host], local: str | None) -> None
                     f"{mid}-decode, KV over {_kv_mode(config.llms[mid], hosts)}")
         elif group.role == "decode":
             role = f", decode: continues {mid}-prefill's requests"
-        if group.role and (scaling := role_scaling(config.llms[mid], group.role)):
+        if group.role and (scaling := role_scaling(config.llms[mid], group.role, hosts)):
             role += (f", scaled on {scaling.metric.replace('_', ' ')} "
                      f"(target {scaling.target:g} per replica)")
         print(f"  {group.name:<24} {_replicas(m.resources):<18} {layout}, "

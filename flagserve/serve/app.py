@@ -143,7 +143,7 @@ def disaggregated_engine(config: Config, hosts: list[Host], module_id: str, mode
     for role, cls in (("prefill", PrefillDeployment), ("decode", DecodeDeployment)):
         m = role_module(module, role)
         args = {**engine_args_for(m).to_dict(), "kv_transfer": {**link, "role": role}}
-        placed = engine_options(m, hosts, cpu_engines, role_scaling(module, role))
+        placed = engine_options(m, hosts, cpu_engines, role_scaling(module, role, hosts))
         if (host := getattr(module.disaggregation, role).host) is not None:
             # disaggregation.<role>.host: every node of the multi-host runner advertises its own
             placed["ray_actor_options"]["resources"] = {host_resource(host): HOST_RESOURCE_AMOUNT}

@@ -118,7 +118,8 @@ def test_prefill_profile_profiles_prompt_steps(llama_path):
     """The first steps of a batch added at once: chunks of the prompts (the prefill attention
     runs, the decode attention does not), and the engine is left empty."""
     from flagserve import LLM
-    llm = LLM(llama_path, dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=16)
+    llm = LLM(llama_path, dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=16,
+              enforce_eager=True)  # kernels in a CUDA graph have no names in the table
     blocks = llm.llm_engine.block_manager
     free = blocks.num_free_blocks
     table = profile_batch_prefill(llm, [list(range(3, 40)), list(range(5, 30))], 2)

@@ -144,7 +144,7 @@ def test_autoscaled_roles_scale_on_their_own_load():
     module, hosts = config.serve["llm"], [Host("127.0.0.1", 2, "cpu")]
 
     def decide(role, reported: dict, current: int) -> int:
-        options = engine_options(role_module(module, role), hosts, 7, role_scaling(module, role))
+        options = engine_options(role_module(module, role), hosts, 7, role_scaling(module, role, hosts))
         assert "num_replicas" not in options
         scaling = AutoscalingConfig(**options["autoscaling_config"], upscale_delay_s=0,
                                     downscale_delay_s=0)
@@ -174,4 +174,4 @@ def test_autoscaled_roles_scale_on_their_own_load():
     assert role_scaling(dataclasses.replace(module, disaggregation=dataclasses.replace(
         module.disaggregation, decode=dataclasses.replace(module.disaggregation.decode,
                                                           min_replicas=None, max_replicas=None))),
-        "decode") is None
+        "decode", hosts) is None

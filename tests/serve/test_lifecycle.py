@@ -177,7 +177,7 @@ def _stream(url: str, body: dict, out: dict, name: str) -> None:
 def test_stop_drains_open_streams(race):
     streams: dict = {}
     threads = [threading.Thread(target=_stream, args=(race.url, body, streams, name)) for name, body in
-               (("short", {"max_tokens": 300}), ("long", {"max_tokens": 2000, "n": 32}))]
+               (("short", {"max_tokens": 300}), ("long", {"max_tokens": 2000, "n": 60, "logprobs": 5}))]
     for t in threads:
         t.start()
     time.sleep(0.5)
