@@ -78,7 +78,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sweep-splits", action="store_true",
                         help="decode: also time split-K at every count of SPLIT_COUNTS (1 = the "
                              "single pass; at least 16 positions a split), to retune the path "
-                             "choice (SINGLE_PASS_MAX_BYTES, MIN_SPLIT_TOKENS)")
+                             "choice (SPLIT_WAVES, MIN_SPLIT_TOKENS)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="no GPU: run tiny shapes through the Triton interpreter and check them")
     return parser.parse_args()
@@ -158,14 +158,13 @@ def fits(bytes_needed: int, device) -> bool:
     return bytes_needed < 0.85 * free
 
 
-def decode_variants(shape: Shape, batch: int, context: int, dtype, device) -> dict:
+def decode_variants(shape: Shape, batch: int, context: int, device) -> dict:
     """num_splits per timed variant: the wrapper's choice, the single pass, and split-K with
     the count it would use (None where that count is 1, i.e. no split-K variant exists)."""
     from kernels.triton_decode_attention import choose_num_splits, split_num_splits
     split = split_num_splits(batch, shape.num_kv_heads, context, device)
-    return dict(auto=choose_num_splits(batch, shape.num_kv_heads, shape.head_dim, dtype, context,
-                                       device),
-                single=1, split=split if split > 1 else None)
+    return dict(auto=choose_num_splits(batch, shape.num_kv_heads, context, device), single=1,
+                split=split if split > 1 else None)
 
 
 def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
@@ -180,7 +179,7 @@ def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
     k_cache, v_cache, tables = random_paged_cache(batch, context, shape, dtype, device)
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=dtype, device=device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    variants = decode_variants(shape, batch, context, dtype, device)
+    variants = decode_variants(shape, batch, context, device)
     row = dict(kind="decode", batch=batch, context=context, splits=variants["auto"])
     for name, splits in variants.items():
         if splits is None:

@@ -74,7 +74,7 @@ spec() {
     attention_sweep) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 --only decode \
       --sweep-tiles --batches 1 8 64 256 --contexts 512 8192 ;;
     # Decode split counts at the batches that leave SMs idle: what the path choice
-    # (SINGLE_PASS_MAX_BYTES, MIN_SPLIT_TOKENS: the batch-1 fixed cost) needs.
+    # (SPLIT_WAVES, MIN_SPLIT_TOKENS: the batch-1 fixed cost) needs.
     # In CUDA graphs, as the engine runs decode: eager timings under ~50 us are launch noise.
     decode_splits) echo 90 "$py" benchmarks/attention.py --dtype bfloat16 --only decode \
       --cuda-graph --sweep-splits --batches 1 4 8 16 32 64 --contexts 512 2048 8192 ;;

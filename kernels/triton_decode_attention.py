@@ -25,9 +25,12 @@ from kernels.triton_attention_tuning import Tile, decode_tile
 from kernels.triton_paged_attend import attend_paged
 
 # Path choice (tiles: triton_attention_tuning.py). benchmarks/attention.py prints both paths.
-SINGLE_PASS_MAX_BYTES = 512 * 1024  # K+V bytes one program streams before splitting pays
 SPLIT_WAVES = 4  # split-K aims at this many programs per SM
-MIN_SPLIT_TOKENS = 256  # below this per split, the merge costs more than the parallelism buys
+# One 64-key tile per split at the least. Decode runs in CUDA graphs, where the merge's launch
+# costs nothing: while batch x kv_heads programs leave SMs idle, even a 512-token context is
+# faster cut in 64-token splits than read by one program (the split sweep under CUDA graphs,
+# docs/performance.md; eager timings had hidden it under launch time).
+MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
 
 
@@ -124,13 +127,10 @@ def split_num_splits(batch: int, num_kv_heads: int, max_context: int, device: to
     return max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_context, MIN_SPLIT_TOKENS)))
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      max_context: int, device: torch.device) -> int:
-    """1 (single pass) when batch x kv_heads programs fill every SM, or when one program
-    streams at most SINGLE_PASS_MAX_BYTES of K/V; otherwise split-K's count. max_context is
-    the block-table width in tokens: an upper bound known on the host."""
-    kv_bytes = 2 * max_context * head_dim * dtype.itemsize
-    if batch * num_kv_heads >= num_sms(device) or kv_bytes <= SINGLE_PASS_MAX_BYTES:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """1 (single pass) when batch x kv_heads programs fill every SM, otherwise split-K's count.
+    max_context is the block-table width in tokens: an upper bound known on the host."""
+    if batch * num_kv_heads >= num_sms(device):
         return 1
     return split_num_splits(batch, num_kv_heads, max_context, device)
 
@@ -152,8 +152,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_d = next_pow2(head_dim)
     tile = tile or decode_tile(block_d, q.dtype)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, head_dim, q.dtype,
-                                       block_tables.shape[1] * block_size, q.device)
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size,
+                                       q.device)
     split = num_splits > 1
     if split:
         mid_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32,

@@ -25,6 +25,7 @@ from typing import get_args
 
 import torch
 
+from flagserve.bench import triton_compiles
 from flagserve.bench.throughput_latency import (
     decode_latency,
     profile_batch_decode,
@@ -70,9 +71,9 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
                    "attention_backend": args.backend, **engine_args}
     llm, start_up = timed_start(lambda: LLM(model, **engine_args))
     # Warm-up on the prompts reversed (the timed run must find none of them in the prefix
-    # cache). On a GPU a whole batch of them: the first nano-vllm run on a fresh H200 was
-    # 25-30% slower than later ones (cause not known; candidates: the allocator's growth,
-    # cuBLAS's first choices for new shapes).
+    # cache). On a GPU a whole batch of them. The first run on a fresh machine can still meet
+    # Triton kernel variants the warm-up did not (its prefill steps were 4x slower on an H100):
+    # the timed run records those it compiles (triton_compiles.py), and the report names them.
     count = args.max_num_seqs if torch.cuda.is_available() else 4
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([p[::-1] for p in work.prompts[:count]], warm, use_tqdm=False)
@@ -84,7 +85,8 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
     timer = PhaseTimer(llm.llm_engine) if phases else None
     mix = StepMix(llm.llm_engine) if phases else None
     start = time.perf_counter()
-    with timer or contextlib.nullcontext(), mix or contextlib.nullcontext():
+    with timer or contextlib.nullcontext(), mix or contextlib.nullcontext(), \
+            triton_compiles.recorded() as compiled:
         outs = llm.generate(work.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     stats = llm.llm_engine.get_stats()
@@ -94,7 +96,8 @@ def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine
     result = {**start_up, "steps": stats.num_steps - before.num_steps, "step_seconds": step,
               "forward_seconds": forward, "outside_forward_share": 1 - forward / step,
               "preemptions": stats.num_preemptions,
-              "prefix_cache_hit_tokens": stats.prefix_cache_hits - before.prefix_cache_hits}
+              "prefix_cache_hit_tokens": stats.prefix_cache_hits - before.prefix_cache_hits,
+              "timed_compiles": compiled}
     if timer is not None:
         result["phases_us_per_token"] = dict(phase_table(timer.totals, step, forward, work.output_tokens))
         result["step_mix"] = mix.table()
@@ -331,6 +334,11 @@ def report(args: argparse.Namespace, result: dict) -> None:
             for kind, steps, seconds, share, rows in result["step_mix"]:
                 print(f"  {kind:28s} {steps:6d} {seconds:8.2f} s {share:6.1%} "
                       f"{seconds / steps * 1e3:8.2f} ms {rows:7.1f}")
+        if result.get("timed_compiles"):  # None: this Triton cannot tell; []: none
+            print(f"Triton kernel variants first met in the timed run (compiled or read from "
+                  f"disk inside it): {len(result['timed_compiles'])}")
+            for variant in result["timed_compiles"]:
+                print(f"  {variant[:400]}")
         if "hf_seconds" in result:
             print(f"HF generate        {result['hf_seconds']:8.2f} s  "
                   f"{result['hf_output_tps']:9.1f} output tok/s")

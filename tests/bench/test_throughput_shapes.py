@@ -236,3 +236,23 @@ def test_start_up_line_reports_the_graphs_capture():
     line = format_start_up({"start_up_seconds": 12.34, "graph_capture": capture})
     assert line.endswith("12.3 s  (35 decode CUDA graphs in 4.2 s, 1.50 GiB reserved of "
                          "2.00 GiB budgeted)")
+
+
+def test_compile_recorder_chains_and_restores_the_hook():
+    """recorded() sees every variant Triton is about to build, passes it on to a hook set before
+    it (whose True still skips the build), and puts that hook back."""
+    from flagserve.bench import triton_compiles
+    knobs = pytest.importorskip("triton").knobs
+    before = []
+    knobs.runtime.jit_cache_hook = lambda *, repr, **_: before.append(repr) or repr == "skip"
+    try:
+        with triton_compiles.recorded() as seen:
+            hook = knobs.runtime.jit_cache_hook
+            assert hook(repr="_decode_kernel[...]", key=1) is False
+            assert hook(repr="skip", key=2) is True
+        assert seen == ["_decode_kernel[...]", "skip"] and before == seen
+        assert knobs.runtime.jit_cache_hook is not hook
+        knobs.runtime.jit_cache_hook(repr="after", key=3)
+        assert seen == ["_decode_kernel[...]", "skip"] and before[-1] == "after"
+    finally:
+        knobs.runtime.jit_cache_hook = None
