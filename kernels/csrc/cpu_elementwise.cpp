@@ -11,6 +11,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
@@ -141,27 +142,30 @@ template <typename T>
 void rotary_store_rows(const at::Tensor& pos, at::Tensor& q, at::Tensor& k, const at::Tensor& v,
                        at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, const at::Tensor& cs) {
   const int64_t tokens = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2), half = d / 2;
+  // Pointers and strides read once: the tensors' accessors are calls the loops cannot hoist.
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t slot_stride = kc.stride(1), cs_stride = cs.stride(0);
+  const float* csp = cs.data_ptr<float>();
+  T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *kcp = kc.data_ptr<T>(), *vcp = vc.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), cs_stride = cs.stride(0);
+  const int64_t block_size = kc.size(1), block_stride = kc.stride(0), slot_stride = kc.stride(1);
   at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* cos = cs.data_ptr<float>() + pp[t] * cs_stride;
+      const float* cos = csp + pp[t] * cs_stride;
       const float* sin = cos + half;
-      T* qt = q.data_ptr<T>() + t * q.stride(0);
-      T* kt = k.data_ptr<T>() + t * k.stride(0);
-      for (int64_t h = 0; h < hq; ++h) rotate<T>(qt + h * q.stride(1), cos, sin, half);
-      for (int64_t h = 0; h < hkv; ++h) rotate<T>(kt + h * k.stride(1), cos, sin, half);
+      T* qt = qp + t * qs0;
+      T* kt = kp + t * ks0;
+      for (int64_t h = 0; h < hq; ++h) rotate<T>(qt + h * qs1, cos, sin, half);
+      for (int64_t h = 0; h < hkv; ++h) rotate<T>(kt + h * ks1, cos, sin, half);
       if (sp[t] < 0) continue;  // a padding row: never written
-      const int64_t block = sp[t] / kc.size(1), off = sp[t] % kc.size(1);
-      T* kd = kc.data_ptr<T>() + block * kc.stride(0) + off * slot_stride;
-      T* vd = vc.data_ptr<T>() + block * vc.stride(0) + off * slot_stride;
-      const T* vt = v.data_ptr<T>() + t * v.stride(0);
-      for (int64_t h = 0; h < hkv; ++h)
-        for (int64_t i = 0; i < d; ++i) {
-          kd[h * d + i] = kt[h * k.stride(1) + i];
-          vd[h * d + i] = vt[h * v.stride(1) + i];
-        }
+      const int64_t off = sp[t] / block_size * block_stride + sp[t] % block_size * slot_stride;
+      const T* vt = vp + t * vs0;
+      for (int64_t h = 0; h < hkv; ++h) {
+        std::copy(kt + h * ks1, kt + h * ks1 + d, kcp + off + h * d);
+        std::copy(vt + h * vs1, vt + h * vs1 + d, vcp + off + h * d);
+      }
     }
   });
 }
