@@ -31,7 +31,7 @@ SPLIT_WAVES = 4  # split-K aims at this many programs per SM
 # faster cut in 64-token splits than read by one program (the split sweep under CUDA graphs,
 # docs/performance.md; eager timings had hidden it under launch time).
 MIN_SPLIT_TOKENS = 64
-MAX_SPLITS = 64
+MAX_SPLITS = 64  # a power of two: the merge kernel spans it with one tl.arange
 
 
 @triton.jit
@@ -173,5 +173,5 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         _decode_merge_kernel[(batch, num_q_heads)](
             mid_out, mid_lse, seq_lens, out, num_splits,
             HEAD_DIM=head_dim, BLOCK_N=tile.block_n,
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, num_warps=4)
+            BLOCK_S=MAX_SPLITS, BLOCK_D=block_d, num_warps=4)  # one variant for every count
     return out

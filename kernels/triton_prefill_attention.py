@@ -30,8 +30,11 @@ from kernels.triton_attention_tuning import (
 from kernels.triton_paged_attend import attend_paged
 
 
-# batch changes every step; tokens_bucket is only the autotune key (unused in the body).
-@triton.jit(do_not_specialize=["batch", "tokens_bucket"])
+# batch changes every step; tokens_bucket is only the autotune key (unused in the body). A
+# mixed step passes block_tables[nd:] and seq_lens[nd:], whose 16-byte alignment depends on
+# its number of decode rows: specialized on it, every new alignment would compile the kernel
+# again in the middle of serving.
+@triton.jit(do_not_specialize=["batch", "tokens_bucket", "block_tables_ptr", "seq_lens_ptr"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
                     seq_lens_ptr, cu_tiles_ptr, out_ptr, qk_scale, batch, tokens_bucket,  # noqa: ARG001
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
