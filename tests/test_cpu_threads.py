@@ -39,6 +39,18 @@ def test_keeps_the_count_within_the_margin_or_slower():
     assert tuner.best == 2
 
 
+def test_leaving_the_engines_own_count_needs_the_larger_margin():
+    """One thread 1.1x faster: noise at served scale, not a held core; two threads 1.1x faster
+    after a switch: back at once."""
+    tuner = make([])
+    run(tuner, {2: 0.110, 1: 0.100}, 16)
+    assert tuner.best == 2
+    run(tuner, {2: 0.2, 1: 0.1}, tuner.period + 6)  # a held core: 2x
+    assert tuner.best == 1
+    run(tuner, {2: 0.100, 1: 0.110}, tuner.period - tuner.since_trial + 6)
+    assert tuner.best == 2
+
+
 def test_a_hopeless_first_pair_ends_the_trial():
     tuner = make([])
     used = run(tuner, {2: 0.1, 1: 0.16}, 10 + 6)  # one thread 1.6x slower: one pair is enough
@@ -74,6 +86,17 @@ def test_steps_of_unlike_sizes_decide_nothing():
         tuner.start(tokens)
         tuner.finish(0.5 if tuner.current == 2 else 0.1)
     assert tuner.best == 2 and not tuner.plan
+
+
+def test_long_steps_take_part_off_the_engines_own_count():
+    """A saturated server on one thread runs only long steps: they must not stop the trial
+    that brings the second thread back."""
+    tuner = make([])
+    run(tuner, {2: 0.2, 1: 0.1}, 16)
+    assert tuner.best == 1
+    used = run(tuner, {2: 1.0, 1: 2.0}, 10 + 6, batch=4096)
+    assert sorted(used[10:]) == [1, 1, 1, 2, 2, 2] and tuner.best == 2
+    assert run(tuner, {2: 2.0, 1: 1.0}, 100, batch=4096) == [2] * 100  # on two: never tried
 
 
 def test_mixed_steps_of_similar_sizes_compare_per_token():

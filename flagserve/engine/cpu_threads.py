@@ -14,8 +14,14 @@ the wait before the next (up to `max_period`: ~4% of a quiet server's throughput
 A switch needs `min_pairs` comparable pairs and is tried again after `first` steps: served
 SmolLM2 went to one thread on a single pair in its first second and stayed there ~50 s (a
 period of its slow steps) at two thirds of the throughput (docs/performance.md, CPU,
-2026-11-26), so a switch is now confirmed or undone at once. Steps of more than `max_tokens`
-(a burst's long prefills) never take part: one of them run on the slower count costs seconds.
+2026-11-26), so a switch is now confirmed or undone at once. Leaving the engine's own count
+(one thread per owned core) needs `leave_margin`, returning to it `margin`: a wrong switch
+away costs most (a served engine that left on a noisy trial ran at two thirds of its
+throughput until it came back, while a core held by another process shows a gap far wider
+than `leave_margin`: docs/performance.md, CPU). Steps of more than `max_tokens` (a burst's
+long prefills) take part only off the engine's own count: one of them run on the slower
+count costs seconds, but a saturated server on one thread runs nothing else, and waiting for
+short steps kept that wrong switch for minutes.
 A trial whose first pair ran `hopeless` (1.5x) slower per token on the other count ends
 there: on a quiet machine one thread runs a decode step far slower, and the two more such
 steps of a whole trial cost more than they could tell (docs/performance.md, CPU).
@@ -45,12 +51,13 @@ class ThreadTuner:
     def __init__(self, counts: tuple[int, int], set_threads: Callable[[int], None],
                  period: int = 64, pairs: int = 3, margin: float = 0.05, similar: float = 1.25,
                  first: int = 8, max_period: int = 512, max_tokens: int = 512,
-                 min_pairs: int = 2, hopeless: float = 1.5):
+                 min_pairs: int = 2, hopeless: float = 1.5, leave_margin: float = 0.2):
         self.counts, self.set_threads = counts, set_threads
         self.best, self.current = counts[0], counts[0]
         self.period, self.pairs, self.margin, self.similar = period, pairs, margin, similar
         self.base_period, self.max_period, self.max_tokens = period, max_period, max_tokens
         self.first, self.min_pairs, self.hopeless = first, min_pairs, hopeless
+        self.leave_margin = leave_margin
         # steps since the last trial ended; the first trial comes after `first` steps, not a
         # whole period: a loaded server's steps take up to a second each
         self.since_trial = period - first
@@ -60,7 +67,7 @@ class ThreadTuner:
 
     def start(self, tokens: int | None) -> None:
         """Before a step of `tokens` scheduled tokens (None: a step that never takes part)."""
-        if tokens is not None and tokens > self.max_tokens:
+        if tokens is not None and tokens > self.max_tokens and self.best == self.counts[0]:
             tokens = None
         if tokens is not None and not self.plan and self.since_trial >= self.period:
             other = next(c for c in self.counts if c != self.best)
@@ -100,11 +107,11 @@ class ThreadTuner:
 
     def _winner(self) -> int:
         """The other count if its steps took less time per token than the best's, pair by
-        pair (at least `min_pairs` pairs)."""
+        pair (at least `min_pairs` pairs), by more than the margin of that direction."""
         speedups = self._speedups()
         speedup = statistics.median(speedups) if len(speedups) >= self.min_pairs else 1.0
-        if speedup > 1 + self.margin:
-            other = next(c for c in self.counts if c != self.best)
+        other = next(c for c in self.counts if c != self.best)
+        if speedup > 1 + (self.margin if other == self.counts[0] else self.leave_margin):
             log.info("torch threads %d -> %d: its steps ran %.2fx as fast per token (median of "
                      "%d pairs)", self.best, other, speedup, len(speedups))
             return other
