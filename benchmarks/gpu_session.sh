@@ -100,7 +100,7 @@ parallel_args() {  # xdist by file (module fixtures build their models once); a 
 
 # The lines of a run's log worth reading in the summary.
 figures() {
-  grep -E "ms per token|output tok/s|start-up|roofline|outside the model|^(decode|prefill|extend) D=|passed|failed|FAILED|ERROR|Error" \
+  grep -E "ms per token|output tok/s|start-up|roofline|outside the model|Triton kernel variants|^(decode|prefill|extend) D=|passed|failed|FAILED|ERROR|Error" \
     "$logs/$1.log" | grep -v "^  " | tail -n 12 | sed 's/^/    /'
 }
 

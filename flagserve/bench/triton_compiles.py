@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 try:
     from triton import knobs
-except ImportError:  # Triton < 3.4 has no hooks: nothing is recorded
+except ImportError:  # an older Triton, or none: nothing is recorded
     knobs = None
 
 
@@ -18,7 +18,7 @@ except ImportError:  # Triton < 3.4 has no hooks: nothing is recorded
 def recorded() -> Iterator[list[str] | None]:
     """Yields the list the variants' descriptions are appended to (None where this Triton
     cannot tell). Kernels run interpreted (TRITON_INTERPRET) are never compiled."""
-    if knobs is None:
+    if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
         yield None
         return
     seen: list[str] = []
