@@ -6,11 +6,11 @@ from flagserve.models.config import ModelConfig
 # defaults). A GPU runs steps with prompt tokens eagerly, each paying the host's launch time
 # once: fewer, larger ones leave it less idle. A CPU step costs its tokens' work whatever its
 # size, and its linears' row chunks (cpu_linear.cpp) were tuned at 4096.
-DEFAULT_CHUNKED_BATCH_TOKENS = {True: 16384, False: 4096}  # keyed by on_gpu
+GPU_CHUNKED_BATCH_TOKENS, CPU_CHUNKED_BATCH_TOKENS = 16384, 4096
 
 
 def default_batched_tokens(on_gpu: bool) -> int:
-    return DEFAULT_CHUNKED_BATCH_TOKENS[on_gpu]
+    return GPU_CHUNKED_BATCH_TOKENS if on_gpu else CPU_CHUNKED_BATCH_TOKENS
 
 
 def batched_tokens(args: EngineArgs, max_model_len: int, on_gpu: bool) -> int:

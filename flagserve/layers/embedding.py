@@ -45,8 +45,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> logits [N, vocab_size] in the model's dtype on TP rank 0, the rank
         that samples; None on the other ranks (gathering the vocabulary anywhere else is wasted
-        traffic). The sampler widens them where it computes on them; a greedy batch's argmax
-        needs no fp32 copy (a 256-row bf16 batch's is two passes over 150 MB on a GPU)."""
+        traffic). The sampler widens them where it computes on them: a greedy batch's argmax
+        needs no fp32 copy of the whole vocabulary."""
         logits = F.linear(hidden, self.weight) if self.packed is None else self.packed(hidden, None)
         if self.tp_size > 1:
             dst = dist.get_global_rank(self.tp_group, 0)

@@ -46,9 +46,9 @@ def test_strided_rows_and_a_large_layer():
 def test_long_inputs_in_row_chunks(threads):
     """Past 8 MB of x the threads split the rows in chunks; 1,379 rows of 1,536 (8.5 MB) leave
     a partial chunk, a partial row block and, at 2 threads, 29 chunks (one cut between the
-    threads). Each
-    output is the same FMA chain however the rows are split: equal to the rows computed in
-    slices small enough not to be chunked, and within float32's bound for a 1,536-term sum."""
+    threads). Each output is the same FMA chain however the rows are split: equal to the rows
+    computed in slices small enough not to be chunked, and within float32's bound for a
+    1,536-term sum."""
     gen = torch.Generator().manual_seed(threads)
     x = torch.randn(1379, 1536, generator=gen)
     weight, bias = torch.randn(70, 1536, generator=gen), torch.randn(70, generator=gen)
