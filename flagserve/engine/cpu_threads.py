@@ -65,13 +65,17 @@ class ThreadTuner:
         self.samples: list[tuple[int, int, float]] = []  # (tokens, threads, seconds)
         self.step: tuple[int | None, int, bool] = (None, self.best, False)
 
+    @property
+    def other(self) -> int:
+        """The count that is not the best."""
+        return self.counts[1] if self.best == self.counts[0] else self.counts[0]
+
     def start(self, tokens: int | None) -> None:
         """Before a step of `tokens` scheduled tokens (None: a step that never takes part)."""
         if tokens is not None and tokens > self.max_tokens and self.best == self.counts[0]:
             tokens = None
         if tokens is not None and not self.plan and self.since_trial >= self.period:
-            other = next(c for c in self.counts if c != self.best)
-            self.plan = [self.best, other, other, self.best] * (self.pairs // 2 + 1)
+            self.plan = [self.best, self.other, self.other, self.best] * (self.pairs // 2 + 1)
             self.plan = self.plan[:2 * self.pairs]
             self.samples = []
         trial = tokens is not None and bool(self.plan)
@@ -110,9 +114,8 @@ class ThreadTuner:
         pair (at least `min_pairs` pairs), by more than the margin of that direction."""
         speedups = self._speedups()
         speedup = statistics.median(speedups) if len(speedups) >= self.min_pairs else 1.0
-        other = next(c for c in self.counts if c != self.best)
-        if speedup > 1 + (self.margin if other == self.counts[0] else self.leave_margin):
+        if speedup > 1 + (self.margin if self.other == self.counts[0] else self.leave_margin):
             log.info("torch threads %d -> %d: its steps ran %.2fx as fast per token (median of "
-                     "%d pairs)", self.best, other, speedup, len(speedups))
-            return other
+                     "%d pairs)", self.best, self.other, speedup, len(speedups))
+            return self.other
         return self.best
