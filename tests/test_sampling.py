@@ -142,6 +142,30 @@ def test_logprobs_zero_returns_only_the_sampled_token(llm):
     assert all(d[t].rank == 1 for d, t in zip(comp.logprobs, comp.token_ids))
 
 
+def test_logit_bias_forces_bans_and_leaves_other_rows_alone(llm):
+    """+100 forces a token at every step, greedy or sampled; -100 on the plain greedy first
+    token moves it; in a batch the unbiased rows are as alone; logprobs stay the model's."""
+    plain = greedy(llm, 8)
+    forced = (plain.token_ids[0] + 7) % 1000
+    force = dict(max_tokens=8, ignore_eos=True, logit_bias={forced: 100.0})
+    outs = llm.generate([PROMPT] * 3, [SamplingParams(temperature=0, logprobs=0, **force),
+                                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                       SamplingParams(temperature=1.0, seed=5, **force)], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == [forced] * 8 == outs[2].outputs[0].token_ids
+    assert outs[1].outputs[0].token_ids == plain.token_ids
+    # The raw distribution's logprob of the forced token, not the biased one's (~0).
+    assert all(step[forced].logprob < -1 for step in outs[0].outputs[0].logprobs)
+    ban = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                         logit_bias={plain.token_ids[0]: -100})
+    assert one(llm, ban).outputs[0].token_ids[0] != plain.token_ids[0]
+
+
+def test_logit_bias_past_the_vocabulary_is_refused(llm):
+    vocab = llm.llm_engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=r"SamplingParams\.logit_bias .*vocabulary size"):
+        one(llm, SamplingParams(logit_bias={vocab: 1.0}))
+
+
 @pytest.mark.parametrize("field,value", [
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", 1.5), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
@@ -152,6 +176,8 @@ def test_logprobs_zero_returns_only_the_sampled_token(llm):
     ("temperature", float("nan")), ("top_k", 2**62), ("stop_token_ids", [2**70]), ("n", 10**6),
     ("repetition_penalty", float("inf")), ("repetition_penalty", 1e-300), ("min_p", float("nan")),
     ("max_tokens", 2**31), ("logprobs", 2**40), ("top_p", float("nan")),
+    ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {5: float("nan")}), ("logit_bias", {2**40: 1.0}), ("logit_bias", [(5, 1.0)]),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):

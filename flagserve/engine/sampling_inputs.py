@@ -20,13 +20,14 @@ class SeqSampling:
     prompt_token_ids: list[int]  # empty unless penalties need them
     generator: torch.Generator | None  # seeded requests: survives preemption, dies with the seq
     row: tuple[float, ...] = field(init=False)
-    plain: bool = field(init=False)  # greedy, no logprobs, no min_tokens: needs no row at all
+    plain: bool = field(init=False)  # greedy, no logprobs, no min_tokens, no bias: needs no row
 
     def __post_init__(self) -> None:
         p = self.params
         self.row = (p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p, p.min_p,
                     -1 if p.logprobs is None else p.logprobs, p.min_tokens)
-        self.plain = p.temperature == 0 and p.logprobs is None and p.min_tokens == 0
+        self.plain = (p.temperature == 0 and p.logprobs is None and p.min_tokens == 0
+                      and not p.logit_bias)
 
 
 def sampling_batch(seqs: list[SeqSampling], step: StepInput, vocab_size: int,
@@ -61,7 +62,20 @@ def sampling_batch(seqs: list[SeqSampling], step: StepInput, vocab_size: int,
         batch.banned_token_ids = [
             (p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))) if ban else []
             for ban, p in zip(below_min, params)]
+    batch.logit_bias = bias_triples(params, device)
     generators = {i: s.generator for i, s in enumerate(seqs) if s.generator is not None}
     batch.generators = generators or None
     batch.token_bitmask = step.grammar_bitmask()
     return batch
+
+
+def bias_triples(params: list[SamplingParams], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The rows' logit_bias entries as (rows, token ids, biases), or None when no row has one."""
+    entries = [(row, token, bias) for row, p in enumerate(params)
+               for token, bias in (p.logit_bias or {}).items()]
+    if not entries:
+        return None
+    rows, token_ids, biases = zip(*entries)
+    return (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))

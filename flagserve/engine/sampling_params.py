@@ -17,6 +17,7 @@ SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # torch.Generator.manual_seed takes an i
 FLOAT32_MAX = 3.4028234663852886e38  # past it the sampler's float32 tensors hold inf
 FLOAT32_TINY = 1.1754943508222875e-38  # below it a float32 divisor is (nearly) zero
 MAX_N = 1024  # every sample is a sequence the engine allocates at once (deploy.limits.max_n is lower)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values, either sign
 
 
 class RequestOutputKind(enum.Enum):
@@ -65,6 +66,9 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    # token id -> a number added to its logit before penalties and sampling (OpenAI's
+    # logit_bias: +-100 all but forces or bans it). Logprobs stay the model's own.
+    logit_bias: dict[int, float] | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +101,11 @@ class SamplingParams:
                  f"got {self.repetition_penalty!r}")
         _require(self.seed is None or _is_int(self.seed, SEED_MIN, SEED_MAX), "seed",
                  f"must be None or an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        bias = self.logit_bias
+        _require(bias is None or (isinstance(bias, dict) and all(
+            _is_int(t) and _is_number(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in bias.items())),
+            "logit_bias", f"must map token ids in [0, {INT32_MAX}] to numbers in "
+            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}"[:300])
 
     def _check_lengths(self) -> None:
         _require(self.max_tokens is None or _is_int(self.max_tokens, 1), "max_tokens",
@@ -135,6 +144,9 @@ class SamplingParams:
         they fail the step, and with it every request in the batch."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         _require(not bad, "stop_token_ids", f"must be < the vocabulary size {vocab_size}, got {bad[:5]}")
+        bad = [t for t in self.logit_bias or () if t >= vocab_size]
+        _require(not bad, "logit_bias", f"token ids must be < the vocabulary size {vocab_size}, "
+                 f"got {bad[:5]}")
         _require(self.logprobs is None or self.logprobs <= vocab_size, "logprobs",
                  f"must be <= the vocabulary size {vocab_size}, got {self.logprobs}")
 

@@ -33,6 +33,7 @@ class SamplingBatch:
     generators: dict[int, torch.Generator] | None = None  # row -> seeded generator
     max_num_logprobs: int = -1  # -1: no row asked for logprobs; 0: only the sampled token's
     token_bitmask: torch.Tensor | None = None  # [N, ceil(vocab / 32)] int32: allowed tokens (grammars)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
 
 
 @dataclass
@@ -92,6 +93,13 @@ def _token_mask(rows: list[list[int]], vocab_size: int, device: torch.device,
     out.scatter_add_(1, ids.to(device), torch.ones_like(ids, dtype=out.dtype, device=device))
     out = out[:, :vocab_size]
     return out if counts else out > 0
+
+
+def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each (row, token, bias) triple added to its logit (out of place: the logits may be
+    the model's own tensor)."""
+    rows, token_ids, biases = batch.logit_bias
+    return logits.index_put((rows, token_ids), biases, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -158,7 +166,8 @@ def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Genera
 def _plain_greedy(batch: SamplingBatch) -> bool:
     """Every row greedy with nothing to apply first and no logprobs to report."""
     return (batch.all_greedy and batch.max_num_logprobs < 0 and batch.token_bitmask is None
-            and batch.banned_token_ids is None and batch.repetition_penalties is None
+            and batch.banned_token_ids is None and batch.logit_bias is None
+            and batch.repetition_penalties is None
             and batch.presence_penalties is None and batch.frequency_penalties is None)
 
 
@@ -183,6 +192,8 @@ class Sampler(nn.Module):
         want_logprobs = batch.max_num_logprobs >= 0
         # Logprobs are of the raw distribution and cost a full-vocabulary pass: only on request.
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+        if batch.logit_bias is not None:  # before the penalties, as vLLM
+            logits = apply_logit_bias(logits, batch)
         if batch.repetition_penalties is not None or batch.presence_penalties is not None:
             logits = apply_penalties(logits, batch)
         logits = apply_bans_and_grammar(logits, batch, self.apply_token_bitmask)

@@ -150,6 +150,12 @@ BAD = [  # route, body, the param named
     ("/v1/completions", {"prompt": "word " * 200_000}, "prompt"),  # refused untokenized
     ("/v1/completions", {"prompt": list(range(5)) * 10_000}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2**40}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100.5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 5}}, "logit_bias"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": NaN}}', "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logit_bias": {"1000000": 5}}, "logit_bias"),  # past the vocabulary
     ("/v1/completions", b'{"prompt": ' + b"[" * 100_000, None),
     ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", None),
     ("/v1/completions", b'{"prompt": "hi", "seed": 1' + b"0" * 400 + b"}", "seed"),
@@ -191,6 +197,26 @@ def test_values_at_the_limits_are_served(server):
     assert len(r.json()["choices"]) == 8
     r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 16  # the cap
+
+
+def test_logit_bias_forces_and_bans_tokens(server, llama_path):
+    """+100 on a token makes greedy decoding emit it every step, on both routes (the
+    engine-level behaviour: tests/test_sampling.py)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(llama_path)
+    body = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "skip_special_tokens": False}
+    plain = server.post("/v1/completions", body).json()["choices"][0]["text"]
+    forced = tok.encode("x", add_special_tokens=False)[-1]
+    r = server.post("/v1/completions", {**body, "logit_bias": {str(forced): 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tok.decode([forced] * 6)
+    assert plain != tok.decode([forced] * 6)
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
+                                             "max_completion_tokens": 6, "temperature": 0.8,
+                                             "seed": 3, "logit_bias": {str(forced): 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == tok.decode([forced] * 6)
 
 
 # Body and header size

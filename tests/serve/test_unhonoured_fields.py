@@ -17,7 +17,6 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 CHAT, COMPLETION = (ChatCompletionRequest, {"messages": MESSAGES}), (CompletionRequest, {"prompt": "hi"})
 
 REFUSED = [  # request, extra fields, the param named, a word of the message
-    (CHAT, {"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
     (CHAT, {"functions": [{"name": "f", "parameters": {}}]}, "functions", "use tools"),
     (CHAT, {"function_call": "auto"}, "function_call", "tool_choice"),
     (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio"),
@@ -96,8 +95,7 @@ def test_what_the_official_client_sends_parses(model, call):
 
 
 COMPLETION_REFUSED = [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
-                      ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of"),
-                      ({"logit_bias": {"5": 1.0}}, "logit_bias")]
+                      ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of")]
 
 
 @pytest.mark.parametrize("extra,param", COMPLETION_REFUSED, ids=[str(r[0]) for r in COMPLETION_REFUSED])

@@ -19,8 +19,7 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 def check_completion(req: Any) -> None:
     # best_of == n is sampling n and returning them all, which is what happens anyway; a
     # best_of of 0 is refused by name too (its value is falsy).
-    refused = {"echo": req.echo, "suffix": req.suffix, "best_of": req.best_of not in (None, req.n),
-               "logit_bias": req.logit_bias}
+    refused = {"echo": req.echo, "suffix": req.suffix, "best_of": req.best_of not in (None, req.n)}
     name = next((k for k, asked in refused.items() if asked), None)
     if name is not None:
         raise OpenAIError(400, f"{name} is not supported", name)

@@ -53,6 +53,7 @@ class _Request(OutputNeutral):
     # Constraints on the output (structured.py): OpenAI's, or vLLM's field
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the SamplingParams field when a value is out of range."""
@@ -66,10 +67,22 @@ class _Request(OutputNeutral):
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.output_constraint(), **optional)
+            structured_outputs=self.output_constraint(), logit_bias=token_bias(self.logit_bias),
+            **optional)
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         return constraint(self.response_format, self.structured_outputs)
+
+
+def token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, whose keys are token ids written as strings; {} asks for nothing."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise ValueError(f"SamplingParams.logit_bias keys must be token ids (integers, as "
+                         f"strings in JSON), got {list(bias)[:5]}") from None
 
 
 Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
@@ -82,7 +95,6 @@ class CompletionRequest(_Request):
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
-    logit_bias: dict[str, float] | None = None
 
     @field_validator("prompt")
     @classmethod

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
 
 # field -> why it cannot be honoured (the 400's message)
 REFUSED_CHAT = {
-    "logit_bias": "per-token biases are not applied by the sampler",
     "functions": "the legacy functions API is not served; use tools",
     "function_call": "the legacy functions API is not served; use tool_choice",
     "audio": "audio output is not served",
@@ -51,7 +50,6 @@ class OutputNeutral(Strict):
 class ChatRefused(Strict):
     """OpenAI chat fields that would change the output: only null (or text-only) passes."""
 
-    logit_bias: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -65,8 +63,8 @@ class ChatRefused(Strict):
     @field_validator(*REFUSED_CHAT)
     @classmethod
     def _refuse(cls, value: Any, info: Any) -> Any:
-        # An empty logit_bias asks for nothing; an empty web_search_options asks for search.
-        if value is not None and not (info.field_name == "logit_bias" and value == {}):
+        # An empty web_search_options asks for search: only null passes.
+        if value is not None:
             raise ValueError(f"{info.field_name} is not supported: {REFUSED_CHAT[info.field_name]}")
         return value
 
