@@ -148,6 +148,14 @@ def test_missing_model_directory_is_named(tmp_path):
         LLM(str(tmp_path / "no-such-model"))
 
 
+def test_a_pathlib_path_is_a_model_path(llama_path):
+    from pathlib import Path
+
+    from flagserve import EngineArgs
+    args = EngineArgs(model=Path(llama_path))
+    assert args.model == llama_path and isinstance(args.model, str)
+
+
 @pytest.mark.parametrize("kw,field", [({"dtype": "int8"}, "dtype"), ({"block_size": 12}, "block_size"),
                                       ({"attention_backend": "cuda"}, "attention_backend")])
 def test_bad_engine_args_name_the_field(llama_path, kw, field):

@@ -1,6 +1,7 @@
 """Engine configuration: what a user passes to LLM(...) or a serve config's engine_args."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
@@ -55,6 +56,8 @@ class EngineArgs:
     kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):  # a pathlib.Path works as its string would
+            self.model = os.fspath(self.model)
         if isinstance(self.kv_transfer, dict):
             self.kv_transfer = KVTransferConfig(**self.kv_transfer)
 
