@@ -6,6 +6,7 @@ import asyncio
 import os
 import pickle
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,10 @@ def test_engine_process_matches_in_process_engine(llama_path):
     engine = AsyncEngine(EngineProcess(_args(llama_path)))
     try:
         assert engine.core.max_model_len == 256
+        # xgrammar is loaded at start: importing it for the first constrained request stalled
+        # the step loop (every stream) for 0.1-0.3 s.
+        maps = Path(f"/proc/{engine.core.proc.pid}/maps")
+        assert not maps.exists() or "xgrammar" in maps.read_text()
 
         async def main():
             got = await asyncio.gather(*(_collect(engine, f"r{i}", p, params)

@@ -225,7 +225,9 @@ def main(argv: list[str]) -> int:
         log.info("torch threads: %d, bound to cores %s", plan.num_threads,
                  ",".join(map(str, plan.cpus)) or "none")
         from flagserve.engine.llm_engine import LLMEngine
+        from flagserve.engine.structured_outputs.params import import_grammar_library
         engine = LLMEngine(conn.recv())
+        import_grammar_library()
     except BaseException:  # noqa: BLE001 - reported to the replica, which fails to start
         _send(conn, CoreFailed(traceback.format_exc()))
         return 1

@@ -159,9 +159,14 @@ class Worker:
         self.batch = xgr.BatchGrammarMatcher(max_threads=1)
 
     def send(self, msg: Any) -> None:
-        """To the engine, which looks at the pipe only when the SENT count says to."""
+        """To the engine, which looks at the pipe only when the SENT count says to. An engine
+        that is gone (a compile finishing after it exited) is serve()'s to notice: its next
+        read of the pipe ends this process, without a traceback from a compiler thread."""
         with self._send_lock:
-            self.conn.send(msg)
+            try:
+                self.conn.send(msg)
+            except (BrokenPipeError, ConnectionResetError):
+                return
             self._sent += 1
             write_slot(self.slots, SENT, self._sent)
 

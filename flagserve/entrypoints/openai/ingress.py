@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from flagserve.config.schema import ApiLimits
+from flagserve.engine.structured_outputs.params import import_grammar_library
 from flagserve.entrypoints.openai.api import build_api
 from flagserve.entrypoints.openai.body import check_text, parse_body
 from flagserve.entrypoints.openai.checks import (
@@ -91,6 +92,7 @@ class OpenAIIngress:
         # A tokenizer deployment's template is not at hand here: `auto` takes the default parser.
         self.tool_parsers = {r.module_id: choose_parser(r.tool_call_parser, self._template(r))
                              for r in routes}
+        import_grammar_library()  # why: its docstring
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this once the replica is constructed, on its event loop."""
