@@ -21,6 +21,8 @@ class SeqSampling:
     generator: torch.Generator | None  # seeded requests: survives preemption, dies with the seq
     row: tuple[float, ...] = field(init=False)
     plain: bool = field(init=False)  # greedy, no logprobs, no min_tokens, no bias: needs no row
+    # logit_bias as (token ids, biases) tensors, built once rather than at every step
+    bias: tuple[torch.Tensor, torch.Tensor] | None = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -28,6 +30,9 @@ class SeqSampling:
                     -1 if p.logprobs is None else p.logprobs, p.min_tokens)
         self.plain = (p.temperature == 0 and p.logprobs is None and p.min_tokens == 0
                       and not p.logit_bias)
+        self.bias = None if not p.logit_bias else (
+            torch.tensor(list(p.logit_bias), dtype=torch.long),
+            torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
 
 
 def sampling_batch(seqs: list[SeqSampling], step: StepInput, vocab_size: int,
@@ -62,20 +67,21 @@ def sampling_batch(seqs: list[SeqSampling], step: StepInput, vocab_size: int,
         batch.banned_token_ids = [
             (p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))) if ban else []
             for ban, p in zip(below_min, params)]
-    batch.logit_bias = bias_triples(params, device)
+    batch.logit_bias = bias_triples(seqs, device)
     generators = {i: s.generator for i, s in enumerate(seqs) if s.generator is not None}
     batch.generators = generators or None
     batch.token_bitmask = step.grammar_bitmask()
     return batch
 
 
-def bias_triples(params: list[SamplingParams], device: torch.device
+def bias_triples(seqs: list[SeqSampling], device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The rows' logit_bias entries as (rows, token ids, biases), or None when no row has one."""
-    entries = [(row, token, bias) for row, p in enumerate(params)
-               for token, bias in (p.logit_bias or {}).items()]
-    if not entries:
+    biased = [(row, s.bias) for row, s in enumerate(seqs) if s.bias is not None]
+    if not biased:
         return None
-    rows, token_ids, biases = zip(*entries)
-    return (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device),
-            torch.tensor(biases, dtype=torch.float32, device=device))
+    rows = torch.repeat_interleave(torch.tensor([row for row, _ in biased]),
+                                   torch.tensor([len(ids) for _, (ids, _) in biased]))
+    token_ids = torch.cat([ids for _, (ids, _) in biased])
+    biases = torch.cat([values for _, (_, values) in biased])
+    return rows.to(device), token_ids.to(device), biases.to(device)

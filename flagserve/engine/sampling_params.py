@@ -101,11 +101,20 @@ class SamplingParams:
                  f"got {self.repetition_penalty!r}")
         _require(self.seed is None or _is_int(self.seed, SEED_MIN, SEED_MAX), "seed",
                  f"must be None or an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        # The message names the first bad entry: the dict may hold tens of thousands.
         bias = self.logit_bias
-        _require(bias is None or (isinstance(bias, dict) and all(
-            _is_int(t) and _is_number(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in bias.items())),
-            "logit_bias", f"must map token ids in [0, {INT32_MAX}] to numbers in "
-            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}"[:300])
+        if bias is None:
+            return
+        _require(isinstance(bias, dict), "logit_bias",
+                 f"must be a dict of token id -> bias, got {type(bias).__name__}")
+        bad = next(((t, b) for t, b in bias.items()
+                    if not (_is_int(t) and _is_number(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS))), None)
+        if bad is not None:
+            _require(False, "logit_bias", f"must map token ids in [0, {INT32_MAX}] to numbers in "
+                     f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad[0]!r}: {bad[1]!r}")
 
     def _check_lengths(self) -> None:
         _require(self.max_tokens is None or _is_int(self.max_tokens, 1), "max_tokens",
