@@ -6,10 +6,11 @@
 // Numerics: the reference's roundings (RMSNorm in float32 then rounded, rotary rounded per
 // op in the activation dtype), sums in another order.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+
+#include "cpu_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -46,7 +47,7 @@ template <typename T>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor& res, const at::Tensor& w, double eps,
                    at::Tensor& out, at::Tensor* res_out) {
   const int64_t rows = x.size(0), n = x.size(1);
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(n);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x.data_ptr<T>() + r * x.stride(0);
@@ -96,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
 template <typename T>
 void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), half = x.size(1) / 2;
-  at::parallel_for(0, rows, kRowGrain / 4, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, rows, kRowGrain / 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = x.data_ptr<T>() + r * x.stride(0);
       const T* u = g + half;
@@ -151,7 +152,7 @@ void rotary_store_rows(const at::Tensor& pos, at::Tensor& q, at::Tensor& k, cons
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), cs_stride = cs.stride(0);
   const int64_t block_size = kc.size(1), block_stride = kc.stride(0), slot_stride = kc.stride(1);
-  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = csp + pp[t] * cs_stride;
       const float* sin = cos + half;

@@ -8,9 +8,10 @@
 // by kRows broadcast inputs: no horizontal sums, each weight byte read from memory once per
 // call. Numerics: each output is one float32 FMA chain over k in order.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+
+#include "cpu_pool.h"
 
 #include <algorithm>
 
@@ -62,15 +63,12 @@ void rows_of_tile(int64_t rows, const float* x, int64_t ldx, const float* w, int
 }
 
 // Rows of x per work item: all of them up to kChunkAbove bytes of x (a decode step: the
-// threads split the tiles), else chunks of at most about kChunkBytes (a long prefill: the
-// threads split the rows). The size aims at a chunk count that is a multiple of the threads';
-// rounding it up to kRows can leave fewer chunks, and parallel_for's even split of the items
-// then cuts one chunk between two threads.
+// threads split the tiles), else chunks of about kChunkBytes (a long prefill: the threads
+// split the rows).
 int64_t chunk_rows(int64_t M, int64_t K) {
   const int64_t x_bytes = M * K * int64_t(sizeof(float));
   if (x_bytes <= kChunkAbove) return M;
-  const int64_t threads = at::get_num_threads();
-  const int64_t chunks = ((x_bytes + kChunkBytes - 1) / kChunkBytes + threads - 1) / threads * threads;
+  const int64_t chunks = (x_bytes + kChunkBytes - 1) / kChunkBytes;
   return ((M + chunks - 1) / chunks + kRows - 1) / kRows * kRows;
 }
 
@@ -103,14 +101,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  // Work items are (row chunk, tile) pairs, chunk-major, so a thread takes whole chunks when
-  // there are several: its chunk of x stays in its L2 while the weights stream past, instead
+  // Work items are (row chunk, tile) pairs, chunk-major, so a thread takes runs of items of
+  // one chunk when there are several: its chunk of x stays in its L2 while the weights stream past, instead
   // of all M rows of x streaming from L3 once per tile. Within a chunk the rows go in blocks
   // of kRows, the tile's weights read from memory for the first block and from L2 for the
   // others. (Chunks of k that every block ran before the next chunk, to read each weight from
   // L1, were slower: 0.7-0.9x.)
   const int64_t chunk = chunk_rows(M, K), chunks = (M + chunk - 1) / chunk;
-  at::parallel_for(0, chunks * tiles, 1, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, chunks * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item % tiles, m0 = item / tiles * chunk, m1 = std::min(M, m0 + chunk);
       const int64_t cols = std::min(kTile, N - t * kTile);

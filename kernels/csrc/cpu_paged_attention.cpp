@@ -6,10 +6,11 @@
 // per (sequence, KV head) reads each cached row once, for all the query heads that share
 // it (GQA), with an exact two-pass softmax in float32.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+
+#include "cpu_pool.h"
 
 #include "cpu_paged_blocks.h"
 
@@ -206,7 +207,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t q_row = q.stride(0), q_head = q.stride(1), width = tables.stride(0);
   int64_t max_len = 1;
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lp[b]);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(l.groups * max_len), acc(l.groups * D), qf(l.groups * D), tmp(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;

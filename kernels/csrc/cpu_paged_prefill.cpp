@@ -12,15 +12,15 @@
 //   output: O[r] = sum over t of P[t][r] * V[t], row blocks of accumulators in registers.
 // Tasks run longest first from a shared counter: a causal tile's work grows with its position.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "cpu_pool.h"
+
 #include "cpu_paged_blocks.h"
 
 #include <algorithm>
-#include <atomic>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -183,10 +183,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const int32_t* tp = block_tables.data_ptr<int32_t>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1), width = block_tables.stride(0);
   const float fscale = static_cast<float>(scale);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  pool::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qt(D * R), s(max_ctx * R);
-    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(order.size());) {
+    for (int64_t i = begin; i < end; ++i) {
       const Tile& t = tiles[order[i] / Hq];
       const int64_t h = order[i] % Hq, kv = h / G;
       const int64_t row0 = cu_q[t.seq] + t.first;

@@ -11,10 +11,11 @@
 // table lookup and an add, kernels/sampling.py) makes an [N, V] float temporary and
 // took 25 us for 32 x 1536, 50 ms for 256 x 49152 (timings: docs/performance.md).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+
+#include "cpu_pool.h"
 
 #include <cmath>
 #include <cstring>
@@ -62,7 +63,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   const int64_t n = x.size(1);
   const float* src = x.data_ptr<float>();
   int64_t* dst = out.data_ptr<int64_t>();
-  at::parallel_for(0, x.size(0), std::max<int64_t>(1, kArgmaxGrain / n), [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, x.size(0), std::max<int64_t>(1, kArgmaxGrain / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) dst[r] = argmax_row(src + r * n, n);
   });
   return out;
@@ -82,7 +83,7 @@ at::Tensor apply_token_bitmask(const at::Tensor& logits, const at::Tensor& bitma
   float* dst = out.data_ptr<float>();
   const float ninf = -std::numeric_limits<float>::infinity();
   static_assert(sizeof(float) == sizeof(uint32_t));
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* s = src + r * vocab;
       const int32_t* m = mask + r * words;

@@ -45,10 +45,10 @@ def test_strided_rows_and_a_large_layer():
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_long_inputs_in_row_chunks(threads):
     """Past 8 MB of x the threads split the rows in chunks; 1,379 rows of 1,536 (8.5 MB) leave
-    a partial chunk, a partial row block and, at 2 threads, 29 chunks (one cut between the
-    threads). Each output is the same FMA chain however the rows are split: equal to the rows
-    computed in slices small enough not to be chunked, and within float32's bound for a
-    1,536-term sum."""
+    a partial chunk and a partial row block, and the threads take (chunk, tile) items from one
+    counter, runs of them ending anywhere in a chunk. Each output is the same FMA chain however
+    the rows are split: equal to the rows computed in slices small enough not to be chunked,
+    and within float32's bound for a 1,536-term sum."""
     gen = torch.Generator().manual_seed(threads)
     x = torch.randn(1379, 1536, generator=gen)
     weight, bias = torch.randn(70, 1536, generator=gen), torch.randn(70, generator=gen)
