@@ -11,6 +11,8 @@
   (cpu_elementwise.cpp) where the reference runs 5-15 torch ops.
 - The sampler's argmax and a grammar's token bitmask are one pass each over the logits
   (cpu_sampling.cpp), where torch's take 10x longer.
+- Their threads share each op's work from one counter (cpu_pool.cpp) rather than OpenMP's
+  equal shares, so a thread that loses its core to a neighbour does not hold up the op.
 
 Built once per machine with the C++ compiler torch.compile uses too, into
 ~/.cache/flagserve/cpu-kernels (keyed by the sources, torch's version and the CPU's flags:
@@ -82,8 +84,8 @@ def load_library() -> bool:
         log.info("building FlagServe's CPU kernels (once, ~30 s) into %s", directory)
     start = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
-    # -fopenmp: at::parallel_for is an inline OpenMP loop; the libgomp it links resolves to
-    # the one torch already loaded (same soname), so there is one thread pool.
+    # -fopenmp: the kernels' own pool (csrc/cpu_pool.cpp) asks OpenMP for the engine's core
+    # binding; the libgomp it links resolves to the one torch already loaded (same soname).
     cpp_extension.load(name, [str(s) for s in SOURCES],
                        extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability(_cpu_flags())],
                        extra_ldflags=["-fopenmp"], build_directory=str(directory),
