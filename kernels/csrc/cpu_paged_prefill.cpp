@@ -16,9 +16,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#include "cpu_pool.h"
-
 #include "cpu_paged_blocks.h"
+#include "cpu_pool.h"
 
 #include <algorithm>
 #include <limits>

@@ -25,6 +25,7 @@ namespace {
 // count is exhausted) or read another job's count.
 constexpr int kIdxBits = 20, kCountBits = 20;
 constexpr uint64_t kIdxMask = (uint64_t{1} << kIdxBits) - 1;
+constexpr uint64_t kCountMask = (uint64_t{1} << kCountBits) - 1;
 constexpr uint64_t kGenMask = (uint64_t{1} << (64 - kIdxBits - kCountBits)) - 1;
 // Chunks per thread: enough that a thread which loses its core mid-op holds up the others by
 // one small chunk, few enough that taking them costs nothing (one atomic per chunk).
@@ -45,7 +46,7 @@ inline void cpu_relax() {
 thread_local bool t_in_pool = false;  // a helper, or a caller inside run(): nested calls inline
 
 inline uint64_t idx_of(uint64_t t) { return t & kIdxMask; }
-inline uint64_t count_of(uint64_t t) { return (t >> kIdxBits) & kIdxMask; }
+inline uint64_t count_of(uint64_t t) { return (t >> kIdxBits) & kCountMask; }
 
 class Pool {
  public:
@@ -57,7 +58,8 @@ class Pool {
     }
     std::lock_guard<std::mutex> hold(submit_, std::adopt_lock);
     ensure_helpers(static_cast<int>(threads - 1));
-    const int64_t target = threads * kChunksPerThread;
+    // At most `target` chunks, so the count fits its bits whatever the thread count.
+    const int64_t target = std::min<int64_t>(threads * kChunksPerThread, kCountMask);
     const int64_t chunk = std::max<int64_t>(grain, (n + target - 1) / target);
     const uint64_t count = static_cast<uint64_t>((n + chunk - 1) / chunk);
     job_ = Job{body, ctx, begin, end, chunk};
