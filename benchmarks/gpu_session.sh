@@ -90,7 +90,7 @@ spec() {
     # The prefill tiles triton.autotune picks (printed), against the table's in `attention`.
     attention_autotune) echo 120 env FLAGSERVE_TRITON_AUTOTUNE=1 TRITON_PRINT_AUTOTUNING=1 \
       "$py" benchmarks/attention.py --dtype bfloat16 --only prefill ;;
-    tests) echo 240 "$py" -m pytest -q -p no:cacheprovider -rfE --durations=10 \
+    tests) echo 300 "$py" -m pytest -q -p no:cacheprovider -rfE --durations=10 \
       $(parallel_args) "${TESTS[@]}" ;;
     *) return 1 ;;
   esac

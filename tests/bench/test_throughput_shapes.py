@@ -122,11 +122,13 @@ def test_prefill_profile_profiles_prompt_steps(llama_path):
               enforce_eager=True)  # kernels in a CUDA graph have no names in the table
     blocks = llm.llm_engine.block_manager
     free = blocks.num_free_blocks
+    # the decode attention is a native op on CPU, a Triton kernel on CUDA
+    decode_names = ("decode_attention", "_decode_kernel")
     table = profile_batch_prefill(llm, [list(range(3, 40)), list(range(5, 30))], 2)
-    assert "prefill" in table and "decode_attention" not in table
+    assert "prefill" in table and not any(name in table for name in decode_names)
     assert not llm.llm_engine.has_unfinished() and blocks.num_free_blocks == free
     decode = profile_batch_decode(llm, [list(range(3, 40))], 2)
-    assert "decode_attention" in decode  # the test above can fail: the names are in the tables
+    assert any(name in decode for name in decode_names)  # so the test above can fail
 
 
 def test_phases_split_the_step_time(capsys):
