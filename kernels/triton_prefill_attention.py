@@ -4,8 +4,10 @@ Grid (query tile, kv_head). A tile packs TILE_TOKENS consecutive new tokens of o
 times all GROUP query heads of one KV head into the BLOCK_M rows of the matmul (row r is
 token r // GROUP, head r % GROUP), so K/V tiles are shared by the whole GQA group and short
 chunks (even single decode tokens in a mixed batch) still fill the rows. Tiles are numbered
-across the batch with a device-side prefix sum; each program finds its sequence by counting
-prefix entries <= its id, so there is no device->host sync and no per-batch recompilation.
+across the batch by a prefix sum of each sequence's tile count that every program computes
+from cu_seqlens_q itself (a few hundred int32 loads, cached): a program finds its sequence by
+counting prefix entries <= its id, so there is no device->host sync, no per-batch
+recompilation and no metadata op of its own per layer.
 
 Causal block skipping: the KV loop of a tile stops at its last token's position (the
 diagonal), and runs in two phases: whole BLOCK_N tiles every row of the tile sees, with no
@@ -34,9 +36,28 @@ from kernels.triton_paged_attend import attend_paged
 # mixed step passes block_tables[nd:] and seq_lens[nd:], whose 16-byte alignment depends on
 # its number of decode rows: specialized on it, every new alignment would compile the kernel
 # again in the middle of serving.
+@triton.jit
+def _find_tile(pid, cu_seqlens_q_ptr, batch, TILE_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(sequence, end) of tile pid: end is the running tile count at that sequence's last tile,
+    seq == batch past the last tile (the grid is an upper bound)."""
+    seq = 0
+    end = 2147483647
+    carry = 0  # tiles of the chunks before
+    for b0 in range(0, batch, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        q_lens = (tl.load(cu_seqlens_q_ptr + 1 + b, mask=b < batch, other=0)
+                  - tl.load(cu_seqlens_q_ptr + b, mask=b < batch, other=0))
+        tiles = (q_lens + TILE_TOKENS - 1) // TILE_TOKENS
+        ends = tl.where(b < batch, carry + tl.cumsum(tiles, axis=0), 2147483647)
+        seq += tl.sum((ends <= pid).to(tl.int32), axis=0)
+        end = tl.minimum(end, tl.min(tl.where(ends > pid, ends, 2147483647), axis=0))
+        carry += tl.sum(tiles, axis=0)
+    return seq, end
+
+
 @triton.jit(do_not_specialize=["batch", "tokens_bucket", "block_tables_ptr", "seq_lens_ptr"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
-                    seq_lens_ptr, cu_tiles_ptr, out_ptr, qk_scale, batch, tokens_bucket,  # noqa: ARG001
+                    seq_lens_ptr, out_ptr, qk_scale, batch, tokens_bucket,  # noqa: ARG001
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_kb, stride_ks, stride_kh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_TOKENS: tl.constexpr,
@@ -44,17 +65,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
                     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    # Sequence of this tile = number of sequences whose tiles all end at or before pid.
-    seq = 0
-    for b0 in range(0, batch, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        ends = tl.load(cu_tiles_ptr + 1 + b, mask=b < batch, other=2147483647)
-        seq += tl.sum((ends <= pid).to(tl.int32), axis=0)
+    seq, end = _find_tile(pid, cu_seqlens_q_ptr, batch, TILE_TOKENS, BLOCK_B)
     if seq >= batch:
-        return  # the grid is an upper bound on the tile count
+        return
     # Last tile first: causal tiles get longer towards the end, and starting the longest ones
     # early shortens the tail of the launch.
-    tile = tl.load(cu_tiles_ptr + seq + 1) - 1 - pid
+    tile = end - 1 - pid
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -121,10 +137,6 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     chosen, tile = tile, tile or prefill_tile(block_d, q.dtype)
     # Rows are (token, head of the group) pairs: a tile holds block_m // group tokens.
     tile_tokens = max(1, tile.block_m // group)
-    # Prefix sum of tiles per sequence, on the device (no sync).
-    q_lens = (cu_seqlens_q[1:batch + 1] - cu_seqlens_q[:batch]).to(torch.int32)
-    cu_tiles = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
-    torch.cumsum((q_lens + tile_tokens - 1) // tile_tokens, dim=0, out=cu_tiles[1:])
     max_tiles = triton.cdiv(num_tokens, tile_tokens) + batch  # bounds sum(ceil(q_len / tile))
     if chosen is None and autotune_enabled(q.device) and q.dtype != torch.float32:
         kernel, launch = _autotuned_kernel(block_d), {}
@@ -132,7 +144,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         kernel = _prefill_kernel
         launch = dict(BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
     kernel[(max_tiles, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, cu_tiles, out,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E, batch, token_bucket(num_tokens),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
