@@ -34,6 +34,7 @@ from typing import Literal, get_args
 import torch
 
 from kernels.backend import KernelOps
+from kernels.out_arg import written
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.rms_norm import rms_norm_torch
 from kernels.sampling import apply_token_bitmask_torch, argmax_torch
@@ -120,20 +121,21 @@ def available(mode: str | None = None) -> bool:
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    return torch.ops.flagserve_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                          seq_lens, scale)
+                               scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    return written(out, torch.ops.flagserve_cpu.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale))
 
 
 def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                seq_lens: torch.Tensor, scale: float,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
     # float32 only: 16-bit CPU models are an option, and keep the reference.
     if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32) or q.stride(2) != 1:
         return paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                             seq_lens, scale)
-    return torch.ops.flagserve_cpu.paged_prefill_attention(q, k_cache, v_cache, block_tables,
-                                                           cu_seqlens_q, seq_lens, scale)
+                                             seq_lens, scale, out)
+    return written(out, torch.ops.flagserve_cpu.paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale))
 
 
 def _rows(x: torch.Tensor) -> bool:

@@ -2,10 +2,13 @@
 
 q: [batch, num_q_heads, head_dim]; block_tables: [batch, max_blocks] int32 (entries past a
 sequence's last block are ignored); seq_lens: [batch] int32, the number of cached tokens
-(the current token included). Returns [batch, num_q_heads, head_dim].
+(the current token included). Returns [batch, num_q_heads, head_dim]: `out` where given
+(kernels/out_arg.py).
 """
 import torch
 import torch.nn.functional as F
+
+from kernels.out_arg import written
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -38,14 +41,14 @@ MIN_BUCKETED_BATCH = 16
 
 def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                 scale: float) -> torch.Tensor:
+                                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     lens = seq_lens.tolist()
     if len(lens) < MIN_BUCKETED_BATCH:
-        return _attend(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale)
+        return written(out, _attend(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale))
     # Gathering every sequence to the longest one's length wastes half the work on uniform
     # lengths; quartiles of similar length cut the padding to about a quarter.
     order = sorted(range(len(lens)), key=lens.__getitem__)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     step = -(-len(order) // BUCKETS)
     for start in range(0, len(order), step):
         rows = order[start:start + step]

@@ -5,6 +5,7 @@ head_dim]; sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]. Its K/V (cach
 the new tokens, already stored) live in the blocks of block_tables[b], seq_lens[b] tokens in
 all. New token i of sequence b sits at position seq_lens[b] - q_len + i and attends causally
 to every position up to its own, so prefix-cache hits and chunked prefill are the same case.
+The result goes to `out` where given (kernels/out_arg.py).
 """
 import torch
 import torch.nn.functional as F
@@ -14,9 +15,10 @@ from kernels.decode_attention import gather_kv
 
 def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                  seq_lens: torch.Tensor, scale: float,
+                                  out: torch.Tensor | None = None) -> torch.Tensor:
     block_size = k_cache.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     starts = cu_seqlens_q.tolist()
     for b, kv_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[b], starts[b + 1]

@@ -137,15 +137,17 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                  *, num_splits: int | None = None, tile: Tile | None = None
-                                  ) -> torch.Tensor:
+                                  out: torch.Tensor | None = None, *, num_splits: int | None = None,
+                                  tile: Tile | None = None) -> torch.Tensor:
     """Same contract as paged_decode_attention_torch; num_splits overrides the choice
     (1: the single pass; more: split-K), tile the tuning table's launch settings."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.is_contiguous(), "the kernel writes [batch, Hq, D] rows"
     if batch == 0:
         return out
     q = last_dim_contiguous(q)

@@ -119,7 +119,8 @@ def _autotuned_kernel(block_d: int):
 
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                   seq_lens: torch.Tensor, scale: float, *,
+                                   seq_lens: torch.Tensor, scale: float,
+                                   out: torch.Tensor | None = None, *,
                                    tile: Tile | None = None) -> torch.Tensor:
     """Same contract as paged_prefill_attention_torch; tile overrides the table's (and autotune)
     for benchmarks/attention.py --sweep-tiles."""
@@ -128,7 +129,9 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     batch = seq_lens.shape[0]
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(-1) == 1, "rows of head_dim, any row stride"
     if num_tokens == 0 or batch == 0:
         return out
     q = last_dim_contiguous(q)

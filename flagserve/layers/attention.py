@@ -32,10 +32,10 @@ class PagedAttention(nn.Module):
         if nd == 0:
             return self.ops.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                                     meta.cu_seqlens_q, meta.seq_lens, self.scale)
-        out = torch.empty_like(q)
-        out[:nd] = self.ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache,
-                                                   meta.block_tables[:nd], meta.seq_lens[:nd], self.scale)
-        out[nd:] = self.ops.paged_prefill_attention(q[nd:], self.k_cache, self.v_cache,
-                                                    meta.block_tables[nd:], meta.cu_seqlens_q,
-                                                    meta.seq_lens[nd:], self.scale)
+        # Each half written in place (kernels/out_arg.py); contiguous whatever q's strides.
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
+                                        meta.seq_lens[:nd], self.scale, out[:nd])
+        self.ops.paged_prefill_attention(q[nd:], self.k_cache, self.v_cache, meta.block_tables[nd:],
+                                         meta.cu_seqlens_q, meta.seq_lens[nd:], self.scale, out[nd:])
         return out
