@@ -32,10 +32,6 @@ from kernels.triton_attention_tuning import (
 from kernels.triton_paged_attend import attend_paged
 
 
-# batch changes every step; tokens_bucket is only the autotune key (unused in the body). A
-# mixed step passes block_tables[nd:] and seq_lens[nd:], whose 16-byte alignment depends on
-# its number of decode rows: specialized on it, every new alignment would compile the kernel
-# again in the middle of serving.
 @triton.jit
 def _find_tile(pid, cu_seqlens_q_ptr, batch, TILE_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr):
     """(sequence, end) of tile pid: end is the running tile count at that sequence's last tile,
@@ -55,6 +51,10 @@ def _find_tile(pid, cu_seqlens_q_ptr, batch, TILE_TOKENS: tl.constexpr, BLOCK_B:
     return seq, end
 
 
+# batch changes every step; tokens_bucket is only the autotune key (unused in the body). A
+# mixed step passes block_tables[nd:] and seq_lens[nd:], whose 16-byte alignment depends on
+# its number of decode rows: specialized on it, every new alignment would compile the kernel
+# again in the middle of serving.
 @triton.jit(do_not_specialize=["batch", "tokens_bucket", "block_tables_ptr", "seq_lens_ptr"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
                     seq_lens_ptr, out_ptr, qk_scale, batch, tokens_bucket,  # noqa: ARG001
