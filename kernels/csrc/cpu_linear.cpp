@@ -105,8 +105,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   // one chunk when there are several: its chunk of x stays in its L2 while the weights stream
   // past, instead of all M rows of x streaming from L3 once per tile. Within a chunk the rows
   // go in blocks of kRows, the tile's weights read from memory for the first block and from
-  // L2 for the others. (Chunks of k that every block ran before the next chunk, to read each weight from
-  // L1, were slower: 0.7-0.9x.)
+  // L2 for the others. (Chunks of k that every block ran before the next chunk, to read each
+  // weight from L1, were slower: 0.7-0.9x.)
   const int64_t chunk = chunk_rows(M, K), chunks = (M + chunk - 1) / chunk;
   pool::parallel_for(0, chunks * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
