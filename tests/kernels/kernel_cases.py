@@ -1,8 +1,24 @@
 """Shared cases and builders for the kernel tests (triton-free: safe to import anywhere)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from kernels.backend import BACKEND_ENV, INTERPRET_ENV
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_python(code: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter at the repository root, without this process's kernel
+    backend switches (the conftest's interpreter switch), plus `env`."""
+    clean_env = {k: v for k, v in os.environ.items() if k not in (INTERPRET_ENV, BACKEND_ENV)}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env={**clean_env, "PYTHONPATH": str(REPO), **env}, timeout=timeout)
 
 # (atol, rtol) per dtype for attention outputs compared with the torch reference on the same
 # inputs: fp32 is limited by summation order; 16-bit by output rounding (1-2 ulp) and by P

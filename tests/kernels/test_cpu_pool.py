@@ -2,12 +2,11 @@
 count, helpers on the OpenMP place after the caller's, a fresh pool in a forked child, and the
 point of it: a helper that gets no CPU does not hold up the op."""
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from kernel_cases import run_python
 
 from kernels import cpu_native
 
@@ -72,9 +71,7 @@ HELPERS = """
 
 def _run(script: str, **env: str) -> None:
     """`script` in a fresh interpreter at the repository root; 77 is its way to skip."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(HELPERS + script)],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, **env},
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    proc = run_python(textwrap.dedent(HELPERS + script), timeout=60, **env)
     if proc.returncode == 77:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,23 +1,10 @@
 """Backend selection, the environment switch, lazy triton import, and ops wired end to end."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from kernel_cases import ATTN_TOL, DEVICE, DTYPES, make_paged_cache
+from kernel_cases import ATTN_TOL, DEVICE, DTYPES, make_paged_cache, run_python
 
 from kernels import get_ops, resolve_backend
 from kernels.backend import BACKEND_ENV, INTERPRET_ENV, TORCH_OPS
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    clean_env = {k: v for k, v in os.environ.items() if k not in (INTERPRET_ENV, BACKEND_ENV)}
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          env={**clean_env, "PYTHONPATH": str(REPO), **env}, timeout=120)
 
 
 def test_auto_and_env_switch(monkeypatch):
