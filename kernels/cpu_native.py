@@ -6,7 +6,7 @@
 - Prefill attention (cpu_paged_prefill.cpp, float32) reads the cache in place too, a tile
   of query rows in the lanes of a vector, where SDPA per sequence ran at 0.4x its speed.
 - The float32 linear layers multiply by a weight packed into tiles of 32 output columns
-  (cpu_linear.cpp; flagserve/layers/cpu_matmul.py chooses it over oneDNN).
+  (16 with AVX2; cpu_linear.cpp; flagserve/layers/cpu_matmul.py chooses it over oneDNN).
 - RMSNorm, residual add + RMSNorm, SiLU-and-mul and rotary + KV store are one pass each
   (cpu_elementwise.cpp) where the reference runs 5-15 torch ops.
 - The sampler's argmax and a grammar's token bitmask are one pass each over the logits

@@ -18,9 +18,13 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kTile = 32;                     // output columns per packed tile
-constexpr int64_t kVecs = kTile / Vec::size();    // 2 (AVX-512) or 4 (AVX2) registers per row
-constexpr int64_t kRows = Vec::size() == 16 ? 8 : 2;  // accumulators: kRows * kVecs <= 16
+// A tile row is two registers, and kRows rows of it are summed at once: with AVX-512 8 x 32
+// (16 accumulators, 2 weight vectors and a broadcast of 32 registers), with AVX2 the classic
+// 6 x 16 (12 + 2 + 1 of 16). AVX2 had 2 x 32 before, 8 accumulators for 6 loads per k: 0.6-0.8x
+// of 6 x 16 at every row count (docs/performance.md, CPU).
+constexpr int64_t kVecs = 2;
+constexpr int64_t kTile = kVecs * Vec::size();  // output columns per packed tile: 32 or 16
+constexpr int64_t kRows = Vec::size() == 16 ? 8 : 6;
 // Row chunks (chunk_rows): measured on SmolLM2's linears at 4,096 rows, 256 KB chunks of x ran
 // at 179-186 GFLOP/s vs 163-168 unchunked; at 512-2,048 rows chunking made no difference.
 constexpr int64_t kChunkBytes = 256 * 1024, kChunkAbove = 8 * 1024 * 1024;

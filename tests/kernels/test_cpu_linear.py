@@ -1,7 +1,7 @@
 """The native float32 linear (kernels/csrc/cpu_linear.cpp) against F.linear in float64: every
 row block size (the kernel's register blocks and their tails), inputs long enough to be split
-into row chunks, output widths that are not a multiple of its 32-column tile, bias, strided
-inputs, and a result as close to the exact sum as F.linear's own."""
+into row chunks, output widths that are not a multiple of its column tile (32 with AVX-512,
+16 with AVX2), bias, strided inputs, and a result as close to the exact sum as F.linear's own."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.avai
 
 def _check(x, weight, bias=None):
     packed = cpu_native.pack_linear_weight(weight)
-    assert packed.shape == ((weight.shape[0] + 31) // 32, weight.shape[1], 32)
+    tile = packed.shape[2]
+    assert tile in (16, 32) and packed.shape == (-(-weight.shape[0] // tile), weight.shape[1], tile)
     got = cpu_native.packed_linear(x, packed, weight.shape[0], bias)
     exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     ours = (got.double() - exact).abs().max().item()
@@ -24,8 +25,8 @@ def _check(x, weight, bias=None):
     assert ours <= max(4 * theirs, 1e-5), (ours, theirs)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 64, 130])
-@pytest.mark.parametrize("out_features", [1, 31, 32, 33, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 17, 64, 130])
+@pytest.mark.parametrize("out_features", [1, 15, 17, 31, 32, 33, 100])
 def test_matches_f_linear(rows, out_features):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, 72, generator=gen)
