@@ -49,8 +49,9 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
 
+# --durations: the slowest tests are listed at the end of every run (CI's budget is 20 minutes).
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 bench: venv
 	$(PY) benchmarks/throughput.py
