@@ -6,9 +6,9 @@ SmolLM2's LM head, [49152, 576], 8 rows take 3-4x as long as one). So the engine
 weight once, at load, into a layout its kernel reads as it is:
 
 - `native` (float32): FlagServe's own kernel (kernels/csrc/cpu_linear.cpp), tiles of 32
-  output columns (16 with AVX2) each stored as one stream: faster than oneDNN on the few rows of a decode
-  step, where oneDNN left memory bandwidth unused, and on par at hundreds of rows
-  (docs/performance.md, CPU).
+  output columns (16 with AVX2) each stored as one stream: faster than oneDNN on the few
+  rows of a decode step, where oneDNN left memory bandwidth unused, and on par at hundreds
+  of rows (docs/performance.md, CPU).
 - `onednn`: oneDNN's blocked layout (`_reorder_linear_weight`) and `_linear_pointwise`; the
   same kernels use AMX and AVX512-BF16 for bfloat16, which the native kernel does not do.
 
