@@ -52,7 +52,9 @@ def test_greedy_matches_transformers(arch, tiny_model_factory):
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == len(PROMPTS)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# The kernels see no difference between llama and mistral or qwen2 (biases, other configs):
+# llama (scaled RoPE) and qwen3 (q/k norm, head_dim apart from hidden / heads) cover them.
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_matches_transformers_on_triton_kernels(arch, tiny_model_factory, monkeypatch):
     """The same referee with every op on our Triton kernels (the interpreter on CPU: kept short)."""
     from kernels import triton_ops
