@@ -7,6 +7,7 @@ rejections, a Wake for a process that went to sleep, oversized jobs.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import pickle
@@ -178,10 +179,11 @@ class GrammarProcess:
                 "the grammar process stopped answering"
 
     def close(self) -> None:
-        self.send(None)
-        try:
-            self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+        if self.error is None:
+            self.send(None)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+        if self.proc.poll() is None:  # after an error it may not read the pipe: not waited for
             self.proc.kill()
             self.proc.wait()
         self.conn.close()
