@@ -5,6 +5,8 @@ loading the same file, logprobs within 1e-3. Skipped when the package is not ins
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -50,8 +52,13 @@ def test_chat_greedy_and_logprobs_match_transformers(smollm2, llm):
     assert all(p.startswith("<|im_start|>system\n") for p in prompts)  # the file's template
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params, use_tqdm=False)
+    import gguf as gguf_lib
     directory, gguf = transformers_location(smollm2)
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **gguf)
+    with pytest.MonkeyPatch.context() as patch:
+        # transformers builds gguf's name map of the whole model once per tensor (11 of the
+        # load's 24 s): the same map every time
+        patch.setattr(gguf_lib, "get_tensor_name_map", functools.cache(gguf_lib.get_tensor_name_map))
+        hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **gguf)
     reference = hf_greedy(hf, [o.prompt_token_ids for o in outs], NEW_TOKENS)
     for out, prompt, (tokens, logprobs) in zip(outs, prompts, reference):
         assert out.prompt_token_ids == tokenizer.encode(prompt, add_special_tokens=False)
