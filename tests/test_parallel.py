@@ -4,9 +4,12 @@ One Ray cluster for the module. Each layout runs one mixed batch: greedy prompts
 lengths through a small token budget (chunked prefill next to decodes), a seeded sampled
 request and a penalised one; TP 2 x PP 2 also runs with a KV cache small enough to preempt.
 """
+import os
 import re
+import time
 import uuid
 
+import psutil
 import pytest
 import ray
 
@@ -78,6 +81,33 @@ def test_shards_match_single_process(arch, tp, pp, tiny_model_factory, reference
         if preempt:
             assert stats.num_preemptions > 0
             assert llm.llm_engine.block_manager.num_free_blocks == 14
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_idle_cpu_shards_stop_spinning_and_step_again(llama_path, reference, monkeypatch):
+    """A compiled graph's readers spin while they wait for a step: after IDLE_TEARDOWN_S
+    without one the graph goes and the shards sleep; the next step compiles it again and
+    gives the same tokens."""
+    from flagserve.engine import ray_executor
+    monkeypatch.setattr(ray_executor, "IDLE_TEARDOWN_S", 0.5)
+    prompts, expected = reference("llama")
+    llm = LLM(llama_path, pipeline_parallel_size=2, placement_hosts=[HOST, HOST], **ENGINE)
+    try:
+        executor = llm.llm_engine.executor
+        assert executor.graph is not None
+        shards = [psutil.Process(pid) for pid in ray.get(
+            [w.__ray_call__.remote(lambda _: os.getpid()) for w in executor.workers])]
+        deadline = time.monotonic() + 10
+        while executor.graph is not None:
+            assert time.monotonic() < deadline, "the idle graph was not torn down"
+            time.sleep(0.1)
+        before = [sum(p.cpu_times()[:2]) for p in shards]
+        time.sleep(1.0)
+        busy = [sum(p.cpu_times()[:2]) - b for p, b in zip(shards, before, strict=True)]
+        assert max(busy) < 0.3, busy  # spinning: ~0.9 s of CPU each
+        assert completions(llm.generate(prompts, PARAMS, use_tqdm=False)) == expected
+        assert executor.graph is not None
     finally:
         llm.llm_engine.shutdown()
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
+import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -28,6 +30,12 @@ from flagserve.layers.sampler import SamplerOutput
 from flagserve.models.config import ModelConfig
 
 PLACEMENT_TIMEOUT_S = 120.0
+# A compiled graph's readers wait for the next step by spinning (sched_yield), a core per
+# shard: two idle CPU pipeline stages held 95% of a core each, taking the host's cores from
+# every other process. CPU shards tear the graph down after this long without a step (~10 ms)
+# and the next step compiles it again (0.1-0.25 s on 2 cores). GPU shards keep it: their
+# hosts' cores are not the model's.
+IDLE_TEARDOWN_S = 5.0
 log = logging.getLogger(__name__)
 
 
@@ -43,6 +51,10 @@ class RayExecutor:
         self.workers: list = []
         self.pg = None
         self.graph = None
+        self._use_graph = os.environ.get("FLAGSERVE_COMPILED_GRAPH", "1") != "0"
+        self._lock = threading.Lock()  # the graph, between steps and the idle watcher
+        self._last_step = time.monotonic()
+        self._closed = threading.Event()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray and os.environ.get("RAY_ADDRESS"):
             ray.init(logging_level=logging.WARNING)  # a cluster is named: join it
@@ -83,24 +95,40 @@ class RayExecutor:
         self.num_kv_blocks = decide_kv_blocks(args, capacities, max_model_len, gpu)
         ray.get([w.allocate_kv_cache.remote(self.num_kv_blocks) for w in self.workers])
         self._sampler_rank = (args.pipeline_parallel_size - 1) * args.tensor_parallel_size
-        self.graph = self._compile() if os.environ.get("FLAGSERVE_COMPILED_GRAPH", "1") != "0" else None
+        self._compile()
+        if not gpu:
+            threading.Thread(target=self._tear_down_when_idle, daemon=True,
+                             name="flagserve-graph-idle").start()
 
-    def _compile(self):
+    def _compile(self) -> None:
         from ray.dag import InputNode, MultiOutputNode
+        if not self._use_graph:
+            return
         try:
             with InputNode() as step:
                 dag = MultiOutputNode([w.execute.bind(step) for w in self.workers])
-            return dag.experimental_compile()
+            self.graph = dag.experimental_compile()
         except Exception:  # noqa: BLE001 - actor calls do the same job, a little slower
             log.warning("Ray compiled graph unavailable; stepping shards with actor calls",
                         exc_info=True)
-            return None
+            self._use_graph = False
+
+    def _tear_down_when_idle(self) -> None:
+        while not self._closed.wait(IDLE_TEARDOWN_S / 2):
+            with self._lock:
+                if self.graph is not None and time.monotonic() - self._last_step > IDLE_TEARDOWN_S:
+                    self.graph.teardown()
+                    self.graph = None
 
     def execute(self, step: StepInput) -> SamplerOutput | None:
-        if self.graph is not None:
-            replies = ray.get(self.graph.execute(step), timeout=-1)  # -1: as long as the step takes
-        else:
-            replies = ray.get([w.execute.remote(step) for w in self.workers])
+        with self._lock:
+            if self.graph is None:
+                self._compile()
+            if self.graph is not None:
+                replies = ray.get(self.graph.execute(step), timeout=-1)  # -1: as long as it takes
+            else:
+                replies = ray.get([w.execute.remote(step) for w in self.workers])
+            self._last_step = time.monotonic()
         out, self._forward_seconds = replies[self._sampler_rank]
         return out
 
@@ -109,11 +137,13 @@ class RayExecutor:
         return self._forward_seconds
 
     def shutdown(self) -> None:
+        self._closed.set()
         if not ray.is_initialized():
             return
-        if self.graph is not None:
-            self.graph.teardown()
-            self.graph = None
+        with self._lock:
+            if self.graph is not None:
+                self.graph.teardown()
+                self.graph = None
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
