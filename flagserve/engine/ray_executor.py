@@ -31,10 +31,10 @@ from flagserve.models.config import ModelConfig
 
 PLACEMENT_TIMEOUT_S = 120.0
 # A compiled graph's readers wait for the next step by spinning (sched_yield), a core per
-# shard: two idle CPU pipeline stages held 95% of a core each, taking the host's cores from
-# every other process. CPU shards tear the graph down after this long without a step (~10 ms)
-# and the next step compiles it again (0.1-0.25 s on 2 cores). GPU shards keep it: their
-# hosts' cores are not the model's.
+# shard, taking an idle CPU deployment's cores from every other process. CPU shards tear the
+# graph down after this long without a step and the next step compiles it again (what each
+# costs: docs/performance.md, Idle shards). GPU shards keep it: their hosts' cores are not
+# the model's.
 IDLE_TEARDOWN_S = 5.0
 log = logging.getLogger(__name__)
 
