@@ -53,7 +53,7 @@ class RayExecutor:
         self.graph = None
         self._use_graph = os.environ.get("FLAGSERVE_COMPILED_GRAPH", "1") != "0"
         self._lock = threading.Lock()  # the graph, between steps and the idle watcher
-        self._last_step = time.monotonic()
+        self._last_step = 0.0  # when the graph last compiled or stepped
         self._closed = threading.Event()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray and os.environ.get("RAY_ADDRESS"):
@@ -96,7 +96,7 @@ class RayExecutor:
         ray.get([w.allocate_kv_cache.remote(self.num_kv_blocks) for w in self.workers])
         self._sampler_rank = (args.pipeline_parallel_size - 1) * args.tensor_parallel_size
         self._compile()
-        if not gpu:
+        if not gpu and self.graph is not None:
             threading.Thread(target=self._tear_down_when_idle, daemon=True,
                              name="flagserve-graph-idle").start()
 
@@ -108,6 +108,7 @@ class RayExecutor:
             with InputNode() as step:
                 dag = MultiOutputNode([w.execute.bind(step) for w in self.workers])
             self.graph = dag.experimental_compile()
+            self._last_step = time.monotonic()  # idle from now, not from before the model loaded
         except Exception:  # noqa: BLE001 - actor calls do the same job, a little slower
             log.warning("Ray compiled graph unavailable; stepping shards with actor calls",
                         exc_info=True)
