@@ -157,7 +157,7 @@ def test_tokenizer_round_trips_any_text(arch, model_dirs):
 
 def test_token_ids_are_pinned(model_dirs):
     """Changing the corpus or tokenizer recipe changes every expected output in the project:
-    do it on purpose, bump tiny.RECIPE_VERSION and update these ids."""
+    do it on purpose, bump cache.RECIPE_VERSION and update these ids."""
     llama, _ = load(str(model_dirs["llama"]))
     qwen, _ = load(str(model_dirs["qwen2"]))
     text = "The weather today is 18 degrees."

@@ -62,10 +62,11 @@ def _packaged(module_id: str, name: str) -> Path:
 
 
 def _fill_tiny(module_id: str, module: LLMModule, create: bool) -> list[str]:
-    from flagserve.models.tiny import default_model_dir, ensure_tiny_model
+    from flagserve.models.cache import default_model_dir
     path = default_model_dir(module.tiny_model)
     notes = []
     if create and not path.exists():
+        from flagserve.models.tiny import ensure_tiny_model  # torch: only to build it
         notes.append(f"serve.{module_id}: creating the built-in tiny {module.tiny_model} "
                      f"model at {path}")
         ensure_tiny_model(path, module.tiny_model)

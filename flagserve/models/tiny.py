@@ -27,14 +27,10 @@ if TYPE_CHECKING:  # transformers is imported lazily: it costs seconds
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from flagserve.models.architectures import ARCHS, Arch
-from flagserve.models.cache import cache_root
+from flagserve.models.cache import default_model_dir
 from flagserve.models.tiny_corpus import CORPUS
 
 _QWEN = ("qwen2", "qwen3")
-
-# Bump whenever the recipe (corpus, sizes, init) changes: cached models live in a versioned
-# directory, so a stale cache can never be mistaken for the current model.
-RECIPE_VERSION = 2
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -308,11 +304,6 @@ def _make_tokenizer_config_portable(path: Path) -> None:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-
-
-def default_model_dir(arch: Arch = "llama") -> Path:
-    """Cache location of the default tiny model: under $FLAGSERVE_CACHE or ~/.cache/flagserve."""
-    return cache_root() / f"tiny-{arch}-v{RECIPE_VERSION}"
 
 
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

@@ -92,14 +92,14 @@ def terminate(record: ProcessRecord, grace_s: float = 30.0) -> list[str]:
     leader = _process(record)
     if leader is not None:
         _signal(leader, signal.SIGTERM)
-        _wait([leader], grace_s)
+        wait_exited([leader], grace_s)
     left = session_members(record)
     for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         if not left:
             break
         for proc in left:
             _signal(proc, sig)
-        _wait(left, wait_s)
+        wait_exited(left, wait_s)
         left = session_members(record)
     return [f"pid {p.pid} ({_name(p)})" for p in left]
 
@@ -109,11 +109,20 @@ def _signal(proc: psutil.Process, sig: int) -> None:
         proc.send_signal(sig)
 
 
-def _wait(procs: list[psutil.Process], timeout: float) -> None:
+def wait_exited(procs: list[psutil.Process], timeout: float) -> None:
+    """Until every one of `procs` has exited or `timeout` passes. An exited process that is
+    not our child stays a zombie until its parent (often init) reaps it, seconds later on some
+    machines: exited is enough (psutil's wait() would wait for the reaping)."""
     deadline = time.monotonic() + timeout
-    for proc in procs:
-        with contextlib.suppress(psutil.TimeoutExpired, psutil.Error):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    while any(map(_running, procs)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _name(proc: psutil.Process) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,5 +112,5 @@ class DisaggregatedEngineSpec:
     prefill: Any  # <id>-prefill, bound; Serve hands the replica a DeploymentHandle
     decode: Any
 
-    def connect(self, metrics_hub: Any) -> EngineClient:
+    def connect(self, metrics_hub: Any, meanwhile: Callable[[], None]) -> EngineClient:
         return DisaggregatedEngine(self.prefill, self.decode)

@@ -9,7 +9,7 @@ the serving graph binds into the ingress to build one in its replica.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,15 +73,15 @@ class LocalEngineSpec:
     engine_args: dict[str, Any]
     engine_core: CoreMode
 
-    def connect(self, metrics_hub: Any) -> EngineClient:
+    def connect(self, metrics_hub: Any, meanwhile: Callable[[], None]) -> EngineClient:
         from flagserve.serve.engine_deployment import EngineDeployment  # heavy: torch
         return LocalEngine(EngineDeployment(self.module_id, self.model_name, self.engine_args,
-                                            metrics_hub, self.engine_core))
+                                            metrics_hub, self.engine_core, meanwhile))
 
 
 @dataclass
 class RemoteEngineSpec:
     handle: Any  # the engine deployment, bound; Serve hands the replica a DeploymentHandle
 
-    def connect(self, metrics_hub: Any) -> EngineClient:
+    def connect(self, metrics_hub: Any, meanwhile: Callable[[], None]) -> EngineClient:
         return RemoteEngine(self.handle)

@@ -16,7 +16,7 @@ message per step; they die with the replica.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
@@ -33,11 +33,18 @@ from flagserve.serve.metrics_hub import push_forever, start_pusher
 
 class EngineDeployment:
     def __init__(self, module_id: str, model_name: str, engine_args: dict[str, Any],
-                 metrics_hub: Any = None, engine_core: CoreMode = "thread"):
+                 metrics_hub: Any = None, engine_core: CoreMode = "thread",
+                 meanwhile: Callable[[], None] = lambda: None):
+        """`meanwhile`: the replica's own start-up, run while the engine loads (make_core)."""
         self.args = EngineArgs(**engine_args)
-        if engine_core == "process" and _in_replica():
-            quiet_host_process()  # the model's threads are the child's (cpu_runtime.py)
-        core = make_core(self.args, engine_core)
+        quiet = engine_core == "process" and _in_replica()
+
+        def own_start() -> None:
+            if quiet:
+                quiet_host_process()  # the model's threads are the child's (cpu_runtime.py)
+            meanwhile()
+
+        core = make_core(self.args, engine_core, own_start)
         self.metrics = EngineMetrics(self.args.kv_transfer.role if self.args.kv_transfer else None)
         self.async_engine = AsyncEngine(core, on_step=self.metrics.on_step)
         self.info_ = ModelInfo(module_id, model_name, self.args.model, core.max_model_len,

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from itertools import count
@@ -201,6 +200,3 @@ def _link_ray_logs(paths: ExpPaths, target: Path) -> None:
     link.unlink(missing_ok=True)
     link.symlink_to(target, target_is_directory=True)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -273,3 +275,19 @@ def test_the_default_graph_serves_smollm2(capsys):
     assert code == 0, err
     assert "model smollm2-135m-instruct" in out
     assert "LlamaForCausalLM, float32, 135M parameters" in out
+
+
+@pytest.mark.usefixtures("llama_path")  # the built-in tiny model exists: nothing to build
+def test_commands_resolve_the_config_without_importing_torch(tmp_path):
+    """Every run.py command composes and resolves the config (the built-in tiny model's path
+    included); importing torch for it cost each command 2 s."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['run.py', '--config-name', 'serve', 'serve=tiny', "
+            f"'experiment.exp_dir={tmp_path}', 'action=plan']\n"
+            "try:\n    runpy.run_path('run.py', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "torch imported: False", out.stdout

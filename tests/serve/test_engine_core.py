@@ -6,13 +6,15 @@ import asyncio
 import os
 import pickle
 import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from flagserve.engine.async_engine import AsyncEngine
 from flagserve.engine.core.loop import EngineDeadError
-from flagserve.engine.core.process import EngineProcess
+from flagserve.engine.core.process import STOP_TIMEOUT_S, EngineProcess
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.entrypoints.llm import LLM
@@ -89,6 +91,30 @@ def test_engine_process_reports_load_failure(tmp_path):
     with pytest.raises(RuntimeError, match="failed to start"):
         EngineProcess(EngineArgs(model=str(tmp_path / "missing"), dtype="float32"))
 
+
+def _engine_children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children()
+            if "flagserve.engine.core.process" in " ".join(p.cmdline())]
+
+
+def test_the_replicas_own_start_runs_while_the_child_loads(llama_path):
+    """`meanwhile` (the ingress's tokenizers and imports) runs once the child is spawned and
+    before it is ready; when it fails, the child is killed and the error is the replica's. An
+    engine stopped before it ever stepped (the replica failed later on) stops at once."""
+    seen = []
+    engine = EngineProcess(_args(llama_path), lambda: seen.extend(_engine_children()))
+    started = time.monotonic()
+    engine.shutdown()
+    assert time.monotonic() - started < STOP_TIMEOUT_S / 2 and engine.proc.returncode == 0
+    assert [p.pid for p in seen] == [engine.proc.pid]
+
+    def fails():
+        seen[:] = _engine_children()
+        raise ValueError("no tokenizer here")
+
+    with pytest.raises(ValueError, match="no tokenizer here"):
+        EngineProcess(_args(llama_path), fails)
+    assert len(seen) == 1 and not seen[0].is_running()
 
 def test_wire_round_trips_every_field():
     import dataclasses

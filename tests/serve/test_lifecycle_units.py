@@ -139,3 +139,28 @@ def test_an_engine_process_is_dead_for_health_the_moment_it_is_killed():
         assert not core.alive  # at once: not when the reader thread sees the socket close
     finally:
         core.shutdown()
+
+
+def test_stop_counts_an_exited_process_no_one_has_reaped_as_gone():
+    """What `stop` waits for is not its child: an exited one stays a zombie until its parent
+    reaps it (init, seconds later on some machines). Exited is enough."""
+    import subprocess
+    import time
+
+    import psutil
+
+    from flagserve.runner.launcher import wait_exited
+    never_reaps = ("import subprocess, sys, time\n"
+                   "child = subprocess.Popen([sys.executable, '-c', 'pass'])\n"
+                   "print(child.pid, flush=True)\n"
+                   "time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", never_reaps], stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        started = time.monotonic()
+        wait_exited([child], timeout=30)
+        assert time.monotonic() - started < 15
+        assert child.status() == psutil.STATUS_ZOMBIE  # still unreaped: the wait did not need it
+    finally:
+        parent.kill()
+        parent.wait()

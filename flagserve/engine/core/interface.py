@@ -28,11 +28,16 @@ class EngineCore(Protocol):
     def shutdown(self) -> None: ...
 
 
-def make_core(engine_args: Any, where: CoreMode) -> EngineCore:
-    """The step loop in a child process (`process`) or on a thread of this one (`thread`)."""
+def make_core(engine_args: Any, where: CoreMode, meanwhile: Callable[[], None] = lambda: None
+              ) -> EngineCore:
+    """The step loop in a child process (`process`) or on a thread of this one (`thread`).
+
+    `meanwhile` is this process's own start-up (imports, tokenizers): it runs while a child
+    loads the model, seconds saved on a small machine; before the engine on a thread."""
     if where == "process":
         from flagserve.engine.core.process import EngineProcess
-        return EngineProcess(engine_args)
+        return EngineProcess(engine_args, meanwhile)
+    meanwhile()
     from flagserve.engine.core.thread import EngineThread
     from flagserve.engine.llm_engine import LLMEngine  # heavy: torch, the model
     return EngineThread(LLMEngine(engine_args))

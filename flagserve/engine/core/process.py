@@ -64,7 +64,7 @@ class Shutdown:
 class EngineProcess:
     """run_steps in a child process; an EngineCore (interface.py)."""
 
-    def __init__(self, engine_args: Any):
+    def __init__(self, engine_args: Any, meanwhile: Callable[[], None] = lambda: None):
         parent, child = Pipe(duplex=True)
         env = child_env()
         env.update(engine_thread_plan(env).env(env))  # OpenMP reads its settings once, at load
@@ -83,6 +83,7 @@ class EngineProcess:
         self._writer: threading.Thread | None = None
         try:
             self.conn.send(engine_args)
+            meanwhile()  # make_core's docstring
             ready = self._wait_ready()
         except BaseException:
             self._kill()
@@ -160,8 +161,12 @@ class EngineProcess:
         if self._stopping:
             return
         self._stopping = True
-        self._outbox.put(Shutdown())
-        self._outbox.put(None)
+        if self._writer is None:  # never started: no writer drains the outbox (10 s lost)
+            with contextlib.suppress(OSError):
+                self.conn.send(Shutdown())
+        else:
+            self._outbox.put(Shutdown())
+            self._outbox.put(None)
         try:
             self.proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:

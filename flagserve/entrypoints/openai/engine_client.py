@@ -6,7 +6,7 @@ and hands the ingress an EngineClient either way (flagserve/serve/engine_clients
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,4 +60,6 @@ class EngineClient(Protocol):
 class EngineSource(Protocol):
     """How a route reaches its engine; connected once, in the ingress replica."""
 
-    def connect(self, metrics_hub: Any) -> EngineClient: ...
+    def connect(self, metrics_hub: Any, meanwhile: Callable[[], None]) -> EngineClient:
+        """`meanwhile`: the ingress's own start-up, which an engine built in this process runs
+        while its model loads (engine/core/interface.py, make_core); others ignore it."""

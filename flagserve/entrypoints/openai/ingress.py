@@ -84,14 +84,24 @@ class OpenAIIngress:
         self.drain: Drain | None = None  # the app, wrapped: stop drains it (drain.py)
         self.drain_timeout_s = drain_timeout_s
         self.infos: dict[str, ModelInfo] = {}
-        self.engines: dict[str, EngineClient] = {r.module_id: r.engine.connect(metrics_hub)
+        self.tokenizers: dict[str, PromptTokenizer] = {}
+        own_start = [self._load_tokenizers]  # done by the first engine built here, else below
+
+        def meanwhile() -> None:
+            while own_start:
+                own_start.pop()()
+
+        self.engines: dict[str, EngineClient] = {r.module_id: r.engine.connect(metrics_hub, meanwhile)
                                                  for r in routes}
-        # In-process tokenizers (no Ray Serve hop before the engine call).
-        self.tokenizers = {r.module_id: PromptTokenizer(r.tokenizer_path)
-                           for r in routes if r.tokenizer is None}
+        meanwhile()
         # A tokenizer deployment's template is not at hand here: `auto` takes the default parser.
         self.tool_parsers = {r.module_id: choose_parser(r.tool_call_parser, self._template(r))
                              for r in routes}
+
+    def _load_tokenizers(self) -> None:
+        # In-process tokenizers (no Ray Serve hop before the engine call).
+        self.tokenizers.update({r.module_id: PromptTokenizer(r.tokenizer_path)
+                                for r in self.routes if r.tokenizer is None})
         import_grammar_library()  # why: its docstring
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
