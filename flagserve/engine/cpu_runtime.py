@@ -95,12 +95,17 @@ def apply_thread_plan(plan: ThreadPlan) -> None:
     torch.set_num_threads(plan.num_threads)
 
 
+def serial_tokenizers() -> None:
+    """HF tokenizers without their thread pool, here and in the processes started from now on
+    (a replica's engine process): none competes with the engine's bound threads."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def quiet_host_process() -> None:
-    """The replica whose engine runs in a child: one torch thread and a serial tokenizer,
-    so that neither competes with the engine's bound threads for its cores."""
+    """The replica whose engine runs in a child: one torch thread, so that it does not compete
+    with the engine's bound threads for its cores (serial_tokenizers for the tokenizer)."""
     import torch
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(1)
 
 

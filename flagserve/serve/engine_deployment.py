@@ -23,7 +23,7 @@ from ray import serve
 
 from flagserve.engine.async_engine import AsyncEngine
 from flagserve.engine.core.interface import CoreMode, make_core
-from flagserve.engine.cpu_runtime import quiet_host_process
+from flagserve.engine.cpu_runtime import quiet_host_process, serial_tokenizers
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.outputs import RequestOutput, merge_deltas
 from flagserve.entrypoints.openai.engine_client import EngineChunk, EngineRequest, ModelInfo
@@ -38,6 +38,8 @@ class EngineDeployment:
         """`meanwhile`: the replica's own start-up, run while the engine loads (make_core)."""
         self.args = EngineArgs(**engine_args)
         quiet = engine_core == "process" and _in_replica()
+        if quiet:
+            serial_tokenizers()  # before the spawn: the engine process inherits it
 
         def own_start() -> None:
             if quiet:
