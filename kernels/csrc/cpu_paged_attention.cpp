@@ -94,8 +94,10 @@ inline __m256 sum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-// scores[g * len + t + i] = q[g] . K[rows[i]] for 8 cached rows (head_dim a multiple of 8).
-inline void qk8(const float* q, const float* k, const int64_t* rows, const Layout& l,
+// scores[g * len + t + i] = q[g] . K[row0 + i * stride] for 8 cached rows of one block
+// (head_dim a multiple of 8). The rows as one pointer and a stride: an array of 8 row offsets
+// was reloaded from the stack for every load of K (17 loads per 8 FMAs).
+inline void qk8(const float* q, const float* row0, int64_t stride, const Layout& l,
                 float* scores, int64_t len, int64_t t) {
   for (int64_t g = 0; g < l.groups; ++g) {
     const float* qg = q + g * l.head_dim;
@@ -103,7 +105,7 @@ inline void qk8(const float* q, const float* k, const int64_t* rows, const Layou
     for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < l.head_dim; d += 8) {
       const __m256 qv = _mm256_loadu_ps(qg + d);
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + rows[i] + d), a[i]);
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(row0 + i * stride + d), a[i]);
     }
     _mm256_storeu_ps(scores + g * len + t, sum8(a));
   }
@@ -124,11 +126,7 @@ inline void qk_scores(const float* qf, const T* k, const int32_t* table, int64_t
     const float* kf = reinterpret_cast<const float*>(k);
     for_blocks(table, len, l, [&](int64_t start, int64_t base, int64_t n) {
       int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {
-        int64_t rows[8];
-        for (int i = 0; i < 8; ++i) rows[i] = base + (j + i) * l.token_stride;
-        qk8(qf, kf, rows, l, scores, len, start + j);
-      }
+      for (; j + 8 <= n; j += 8) qk8(qf, kf + base + j * l.token_stride, l.token_stride, l, scores, len, start + j);
       for (; j < n; ++j) one(start + j, base + j * l.token_stride);
     }, kf);
     return;
@@ -137,31 +135,67 @@ inline void qk_scores(const float* qf, const T* k, const int32_t* table, int64_t
   for_rows(table, len, l, one, k);
 }
 
-// acc[g] = sum over t of p[g, t] * V[t] for float32 caches, 4 vectors of a row at a time:
-// the sums stay in registers over the whole sequence (the axpy form loads and stores acc
-// for every cached row, which made this pass compute-bound).
+// out = sum over t of p[t] * V[t][0, NV vectors) for float32 caches, U rows at a time into U
+// sets of NV sums kept in registers over the whole sequence (the axpy form loads and stores
+// the sums for every cached row, which made this pass compute-bound). NV x U = 8 independent
+// FMA chains: fewer leave the two FMA pipes idle for the chains' 4 cycles of latency (4
+// chains of a 32-float chunk read each row twice and ran at half their speed).
+template <int NV, int U>
+inline void weighted_chunk(const float* v, const int32_t* table, int64_t len, const Layout& l,
+                           const float* p, float* out, bool prefetch) {
+  Vec a[U][NV];
+  for (auto& set : a)
+    for (auto& x : set) x = Vec(0.f);
+  auto add = [&](Vec* sums, float pt, const float* r) {
+    const Vec pv(pt);
+    for (int i = 0; i < NV; ++i) sums[i] = at::vec::fmadd(pv, Vec::loadu(r + i * Vec::size()), sums[i]);
+  };
+  paged::for_blocks(table, len, l, [&](int64_t start, int64_t base, int64_t n) {
+    int64_t j = 0;
+    for (; j + U <= n; j += U)
+      for (int u = 0; u < U; ++u) add(a[u], p[start + j + u], v + base + (j + u) * l.token_stride);
+    for (; j < n; ++j) add(a[0], p[start + j], v + base + j * l.token_stride);
+  }, prefetch ? v : nullptr);
+  for (int i = 0; i < NV; ++i) {
+    Vec sum = a[0][i];
+    for (int u = 1; u < U; ++u) sum = sum + a[u][i];
+    sum.store(out + i * Vec::size());
+  }
+}
+
+// Vectors of a head row per weighted_chunk pass: 8 where head_dim allows, else 4 or 2 (0:
+// head_dim is not a multiple of 2 vectors, the generic loop runs).
+inline int64_t chunk_vectors(int64_t head_dim) {
+  for (int64_t nv : {8, 4, 2})
+    if (head_dim % (nv * Vec::size()) == 0) return nv;
+  return 0;
+}
+
+// acc[g] = sum over t of p[g, t] * V[t], a pass over the rows per query head and chunk.
 inline void weighted_rows(const float* v, const int32_t* table, int64_t len, const Layout& l,
                           const float* p, float* acc) {
-  constexpr int64_t W = 4 * Vec::size();
+  const int64_t nv = chunk_vectors(l.head_dim), width = nv * Vec::size();
   for (int64_t g = 0; g < l.groups; ++g) {
-    const float* pg = p + g * len;
-    for (int64_t c = 0; c < l.head_dim; c += W) {
-      Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-      for_rows(table, len, l, [&](int64_t t, int64_t row) {
-        const float* r = v + row + c;
-        const Vec pt(pg[t]);
-        a0 = at::vec::fmadd(pt, Vec::loadu(r), a0);
-        a1 = at::vec::fmadd(pt, Vec::loadu(r + Vec::size()), a1);
-        a2 = at::vec::fmadd(pt, Vec::loadu(r + 2 * Vec::size()), a2);
-        a3 = at::vec::fmadd(pt, Vec::loadu(r + 3 * Vec::size()), a3);
-      }, g == 0 && c == 0 ? v : nullptr);  // later passes find the rows in L2
+    for (int64_t c = 0; c < l.head_dim; c += width) {
+      const bool first = g == 0 && c == 0;  // later passes find the rows in L2
       float* out = acc + g * l.head_dim + c;
-      a0.store(out);
-      a1.store(out + Vec::size());
-      a2.store(out + 2 * Vec::size());
-      a3.store(out + 3 * Vec::size());
+      if (nv == 8) weighted_chunk<8, 1>(v + c, table, len, l, p + g * len, out, first);
+      else if (nv == 4) weighted_chunk<4, 2>(v + c, table, len, l, p + g * len, out, first);
+      else weighted_chunk<2, 4>(v + c, table, len, l, p + g * len, out, first);
     }
   }
+}
+
+inline float max_of(const float* x, int64_t n) {
+  int64_t i = 0;
+  float m = -std::numeric_limits<float>::infinity();
+  if (n >= Vec::size()) {
+    Vec mv = Vec::loadu(x);
+    for (i = Vec::size(); i + Vec::size() <= n; i += Vec::size()) mv = at::vec::maximum(mv, Vec::loadu(x + i));
+    m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
 }
 
 // Attends the `groups` query heads in `qf` (float32, pre-scaled, [groups, head_dim]) to
@@ -175,10 +209,9 @@ void attend(const float* qf, const T* k, const T* v, const int32_t* table, int64
   std::vector<float> inv(G);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * len;
-    const float m = *std::max_element(sg, sg + len);
-    inv[g] = 1.f / exp_sum(sg, len, m);
+    inv[g] = 1.f / exp_sum(sg, len, max_of(sg, len));
   }
-  if (std::is_same<T, float>::value && D % (4 * Vec::size()) == 0) {
+  if (std::is_same<T, float>::value && chunk_vectors(D) > 0) {
     weighted_rows(reinterpret_cast<const float*>(v), table, len, l, scores, acc);
   } else {
     std::fill(acc, acc + G * D, 0.f);
