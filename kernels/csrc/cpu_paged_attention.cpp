@@ -2,10 +2,15 @@
 //
 // The torch reference gathers every sequence's blocks into a dense copy and then calls SDPA:
 // on a decode step of 64 sequences of ~300 tokens that copy is ~900 MB per step for
-// SmolLM2 (more than its weights), read once, written once and read again. Here one task
-// per (sequence, KV head) reads each cached row once, for all the query heads that share
-// it (GQA), with an exact two-pass softmax in float32.
+// SmolLM2 (more than its weights), read once, written once and read again. Here each cached
+// row is read once for all the query heads that share it (GQA), with an exact two-pass
+// softmax in float32. A task is one sequence's every KV head when the batch has enough
+// sequences to share out, else one (sequence, KV head): a task that reads a block's whole
+// rows reads one contiguous run, which the hardware prefetcher follows; one head's slice of
+// each row is a strided walk it does not (64 sequences of 100-400 tokens, SmolLM2's cache:
+// ~20 vs ~12 GB/s read, docs/performance.md, CPU).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -17,6 +22,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -112,78 +118,60 @@ inline void qk8(const float* q, const float* row0, int64_t stride, const Layout&
 }
 #endif
 
-// scores[g, t] = q[g] . K[t] (q pre-scaled) for t in [0, len).
+// scores[g, t] = q[g] . K[t] (q pre-scaled) for t in [0, len), a row at a time (16-bit caches
+// and head sizes the float32 path below does not take).
 template <typename T>
 inline void qk_scores(const float* qf, const T* k, const int32_t* table, int64_t len,
                       const Layout& l, float* scores, float* tmp) {
   const int64_t D = l.head_dim, G = l.groups;
-  auto one = [&](int64_t t, int64_t row) {
+  for_rows(table, len, l, [&](int64_t t, int64_t row) {
     const float* kr = as_float<T>(k + row, D, tmp);
     for (int64_t g = 0; g < G; ++g) scores[g * len + t] = dot(qf + g * D, kr, D);
-  };
-#ifdef FLAGSERVE_QK8
-  if (std::is_same<T, float>::value && D % 8 == 0) {
-    const float* kf = reinterpret_cast<const float*>(k);
-    for_blocks(table, len, l, [&](int64_t start, int64_t base, int64_t n) {
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) qk8(qf, kf + base + j * l.token_stride, l.token_stride, l, scores, len, start + j);
-      for (; j < n; ++j) one(start + j, base + j * l.token_stride);
-    }, kf);
-    return;
-  }
-#endif
-  for_rows(table, len, l, one, k);
+  }, k);
 }
 
-// out = sum over t of p[t] * V[t][0, NV vectors) for float32 caches, U rows at a time into U
-// sets of NV sums kept in registers over the whole sequence (the axpy form loads and stores
-// the sums for every cached row, which made this pass compute-bound). NV x U = 8 independent
-// FMA chains: fewer leave the two FMA pipes idle for the chains' 4 cycles of latency (4
-// chains of a 32-float chunk read each row twice and ran at half their speed).
+// acc[0, NV vectors) += sum over the n rows of p[j] * V[j] (rows `stride` apart), U rows at a
+// time into U sets of NV sums in registers: NV x U = 8 independent FMA chains, which keep
+// both FMA pipes busy through the chains' 4 cycles of latency (4 chains ran at half speed).
+// With U = 1 each output is one FMA chain over the rows in order, block after block.
 template <int NV, int U>
-inline void weighted_chunk(const float* v, const int32_t* table, int64_t len, const Layout& l,
-                           const float* p, float* out, bool prefetch) {
+void weighted_block(const float* v, int64_t stride, int64_t n, const float* p, float* acc) {
   Vec a[U][NV];
-  for (auto& set : a)
-    for (auto& x : set) x = Vec(0.f);
-  auto add = [&](Vec* sums, float pt, const float* r) {
-    const Vec pv(pt);
+  for (int i = 0; i < NV; ++i) {
+    a[0][i] = Vec::loadu(acc + i * Vec::size());
+    for (int u = 1; u < U; ++u) a[u][i] = Vec(0.f);
+  }
+  auto add = [&](Vec* sums, float pj, const float* r) {
+    const Vec pv(pj);
     for (int i = 0; i < NV; ++i) sums[i] = at::vec::fmadd(pv, Vec::loadu(r + i * Vec::size()), sums[i]);
   };
-  paged::for_blocks(table, len, l, [&](int64_t start, int64_t base, int64_t n) {
-    int64_t j = 0;
-    for (; j + U <= n; j += U)
-      for (int u = 0; u < U; ++u) add(a[u], p[start + j + u], v + base + (j + u) * l.token_stride);
-    for (; j < n; ++j) add(a[0], p[start + j], v + base + j * l.token_stride);
-  }, prefetch ? v : nullptr);
+  int64_t j = 0;
+  for (; j + U <= n; j += U)
+    for (int u = 0; u < U; ++u) add(a[u], p[j + u], v + (j + u) * stride);
+  for (; j < n; ++j) add(a[0], p[j], v + j * stride);
   for (int i = 0; i < NV; ++i) {
     Vec sum = a[0][i];
     for (int u = 1; u < U; ++u) sum = sum + a[u][i];
-    sum.store(out + i * Vec::size());
+    sum.store(acc + i * Vec::size());
   }
 }
 
-// Vectors of a head row per weighted_chunk pass: 8 where head_dim allows, else 4 or 2 (0:
-// head_dim is not a multiple of 2 vectors, the generic loop runs).
-inline int64_t chunk_vectors(int64_t head_dim) {
-  for (int64_t nv : {8, 4, 2})
-    if (head_dim % (nv * Vec::size()) == 0) return nv;
-  return 0;
-}
+using WeightedBlock = void (*)(const float*, int64_t, int64_t, const float*, float*);
 
-// acc[g] = sum over t of p[g, t] * V[t], a pass over the rows per query head and chunk.
-inline void weighted_rows(const float* v, const int32_t* table, int64_t len, const Layout& l,
-                          const float* p, float* acc) {
-  const int64_t nv = chunk_vectors(l.head_dim), width = nv * Vec::size();
-  for (int64_t g = 0; g < l.groups; ++g) {
-    for (int64_t c = 0; c < l.head_dim; c += width) {
-      const bool first = g == 0 && c == 0;  // later passes find the rows in L2
-      float* out = acc + g * l.head_dim + c;
-      if (nv == 8) weighted_chunk<8, 1>(v + c, table, len, l, p + g * len, out, first);
-      else if (nv == 4) weighted_chunk<4, 2>(v + c, table, len, l, p + g * len, out, first);
-      else weighted_chunk<2, 4>(v + c, table, len, l, p + g * len, out, first);
+// The widest weighted_block whose chunk divides head_dim, and that chunk's width in floats;
+// null where head_dim is not whole vectors.
+inline WeightedBlock weighted_block_for(int64_t head_dim, int64_t& width) {
+  constexpr int64_t V = Vec::size();
+  const std::pair<int64_t, WeightedBlock> choices[] = {
+      {8, weighted_block<8, 1>}, {4, weighted_block<4, 2>}, {2, weighted_block<2, 4>},
+      {1, weighted_block<1, 8>}};
+  for (const auto& [nv, fn] : choices) {
+    if (head_dim % (nv * V) == 0) {
+      width = nv * V;
+      return fn;
     }
   }
+  return nullptr;
 }
 
 inline float max_of(const float* x, int64_t n) {
@@ -198,31 +186,66 @@ inline float max_of(const float* x, int64_t n) {
   return m;
 }
 
+// Each of the `rows` rows of scores (len each) becomes exp(s - max); inv[r] = 1 / its sum.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* inv) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * len;
+    inv[r] = 1.f / exp_sum(sr, len, max_of(sr, len));
+  }
+}
+
 // Attends the `groups` query heads in `qf` (float32, pre-scaled, [groups, head_dim]) to
-// cached positions [0, len) of one KV head; writes [groups, head_dim] at `out` (head stride
-// `out_stride`). `scores` holds groups * len floats, `acc` and `tmp` groups * head_dim.
+// cached positions [0, len) of one KV head, a row at a time (the path of 16-bit caches);
+// writes [groups, head_dim] at `out` (head stride `out_stride`). `scores` holds
+// groups * len floats, `acc` and `tmp` groups * head_dim.
 template <typename T>
 void attend(const float* qf, const T* k, const T* v, const int32_t* table, int64_t len,
             const Layout& l, float* scores, float* acc, float* tmp, T* out, int64_t out_stride) {
   const int64_t D = l.head_dim, G = l.groups;
   qk_scores<T>(qf, k, table, len, l, scores, tmp);
   std::vector<float> inv(G);
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * len;
-    inv[g] = 1.f / exp_sum(sg, len, max_of(sg, len));
-  }
-  if (std::is_same<T, float>::value && chunk_vectors(D) > 0) {
-    weighted_rows(reinterpret_cast<const float*>(v), table, len, l, scores, acc);
-  } else {
-    std::fill(acc, acc + G * D, 0.f);
-    for_rows(table, len, l, [&](int64_t t, int64_t row) {
-      const float* vr = as_float<T>(v + row, D, tmp);
-      for (int64_t g = 0; g < G; ++g) axpy(scores[g * len + t], vr, acc + g * D, D);
-    }, v);
-  }
+  softmax_rows(scores, G, len, inv.data());
+  std::fill(acc, acc + G * D, 0.f);
+  for_rows(table, len, l, [&](int64_t t, int64_t row) {
+    const float* vr = as_float<T>(v + row, D, tmp);
+    for (int64_t g = 0; g < G; ++g) axpy(scores[g * len + t], vr, acc + g * D, D);
+  }, v);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * out_stride + d] = static_cast<T>(acc[g * D + d] * inv[g]);
 }
+
+#ifdef FLAGSERVE_QK8
+// The float32 path: one sequence's KV heads [h0, h0 + heads), block by block, a block's rows
+// read once per pass for every query head of these KV heads. `qf` is [heads * groups,
+// head_dim] (pre-scaled), `k` and `v` point at head h0 of the cache, `out` at the first
+// query head's output row (rows contiguous); `scores` holds heads * groups * len floats,
+// `acc` and `inv` heads * groups * head_dim and heads * groups.
+void attend_rows(const float* qf, const float* k, const float* v, const int32_t* table,
+                 int64_t len, const Layout& l, int64_t heads, WeightedBlock weighted,
+                 int64_t width, float* scores, float* acc, float* inv, float* out) {
+  const int64_t D = l.head_dim, G = l.groups, ts = l.token_stride, rows = heads * G;
+  Layout span = l;  // the part of each cached row this task reads: what to prefetch
+  span.head_dim = heads * D;
+  for_blocks(table, len, span, [&](int64_t start, int64_t base, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+      for (int64_t h = 0; h < heads; ++h)
+        qk8(qf + h * G * D, k + base + j * ts + h * D, ts, l, scores + h * G * len, len, start + j);
+    for (; j < n; ++j)
+      for (int64_t r = 0; r < rows; ++r)
+        scores[r * len + start + j] = dot(qf + r * D, k + base + j * ts + r / G * D, D);
+  }, k);
+  softmax_rows(scores, rows, len, inv);
+  std::fill(acc, acc + rows * D, 0.f);
+  for_blocks(table, len, span, [&](int64_t start, int64_t base, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < D; c += width)
+        weighted(v + base + r / G * D + c, ts, n, scores + r * len + start, acc + r * D + c);
+  }, v);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv[r];
+}
+#endif
 
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -239,16 +262,35 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t q_row = q.stride(0), q_head = q.stride(1), width = tables.stride(0);
   int64_t max_len = 1;
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lp[b]);
-  pool::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(l.groups * max_len), acc(l.groups * D), qf(l.groups * D), tmp(D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      for (int64_t g = 0; g < l.groups; ++g) {
-        const T* qr = qp + b * q_row + (h * l.groups + g) * q_head;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qr[d]) * l.scale;
+  WeightedBlock weighted = nullptr;
+  int64_t chunk = 0;
+#ifdef FLAGSERVE_QK8
+  if (std::is_same<T, float>::value && D % 8 == 0) weighted = weighted_block_for(D, chunk);
+#endif
+  // KV heads per task: all of a sequence's where there are tasks enough for every thread
+  // to take several (the pool shares them out as they finish), else one.
+  const int64_t heads = weighted != nullptr && B >= 4 * at::get_num_threads() ? Hkv : 1;
+  const int64_t tasks_per_seq = Hkv / heads, rows = heads * l.groups;
+  pool::parallel_for(0, B * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(rows * max_len), acc(rows * D), qf(rows * D), tmp(D), inv(rows);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_seq, h0 = task % tasks_per_seq * heads;
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* qr = qp + b * q_row + (h0 * l.groups + r) * q_head;
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(qr[d]) * l.scale;
       }
-      attend<T>(qf.data(), kp + h * D, vp + h * D, tp + b * width, lp[b], l, scores.data(),
-                acc.data(), tmp.data(), op + (b * Hq + h * l.groups) * D, D);
+      T* o = op + (b * Hq + h0 * l.groups) * D;
+#ifdef FLAGSERVE_QK8
+      if constexpr (std::is_same<T, float>::value) {
+        if (weighted != nullptr) {
+          attend_rows(qf.data(), kp + h0 * D, vp + h0 * D, tp + b * width, lp[b], l, heads,
+                      weighted, chunk, scores.data(), acc.data(), inv.data(), o);
+          continue;
+        }
+      }
+#endif
+      attend<T>(qf.data(), kp + h0 * D, vp + h0 * D, tp + b * width, lp[b], l, scores.data(),
+                acc.data(), tmp.data(), o, D);
     }
   });
 }

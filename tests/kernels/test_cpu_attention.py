@@ -47,6 +47,28 @@ def test_head_dims(head_dim):
     run_case(SEQ_LENS, 3, 16, head_dim, torch.float32)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_whole_rows_equal_one_head_a_task(head_dim):
+    """A batch with tasks enough for every thread reads a sequence's every KV head as one task
+    (whole cache rows); a smaller one, one head a task. Same sums in the same order."""
+    seq_lens = [3, 16, 17, 40, 130, 300, 5, 64, 1, 33]
+    k_cache, v_cache, table = make_paged_cache(seq_lens, 16, NUM_KV_HEADS, head_dim,
+                                               torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(len(seq_lens), NUM_KV_HEADS * 3, head_dim, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, len(seq_lens)):  # 10 sequences: >= 4 tasks a thread, then < 4
+            torch.set_num_threads(n)
+            outs.append(cpu_native.paged_decode_attention_cpu(q, k_cache, v_cache, table, lens,
+                                                              0.1))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_strided_query_and_wide_table():
     run_case([5, 200, 17], 3, 16, 64, torch.float32, table_width=64, strided=True)
 
