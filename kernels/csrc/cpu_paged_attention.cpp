@@ -195,16 +195,16 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* inv) {
 }
 
 // Attends the `groups` query heads in `qf` (float32, pre-scaled, [groups, head_dim]) to
-// cached positions [0, len) of one KV head, a row at a time (the path of 16-bit caches);
-// writes [groups, head_dim] at `out` (head stride `out_stride`). `scores` holds
-// groups * len floats, `acc` and `tmp` groups * head_dim.
+// cached positions [0, len) of one KV head, a row at a time (16-bit caches, and head sizes
+// attend_rows does not take); writes [groups, head_dim] at `out` (head stride `out_stride`).
+// `scores` holds groups * len floats, `acc` and `tmp` groups * head_dim, `inv` groups.
 template <typename T>
 void attend(const float* qf, const T* k, const T* v, const int32_t* table, int64_t len,
-            const Layout& l, float* scores, float* acc, float* tmp, T* out, int64_t out_stride) {
+            const Layout& l, float* scores, float* acc, float* tmp, float* inv, T* out,
+            int64_t out_stride) {
   const int64_t D = l.head_dim, G = l.groups;
   qk_scores<T>(qf, k, table, len, l, scores, tmp);
-  std::vector<float> inv(G);
-  softmax_rows(scores, G, len, inv.data());
+  softmax_rows(scores, G, len, inv);
   std::fill(acc, acc + G * D, 0.f);
   for_rows(table, len, l, [&](int64_t t, int64_t row) {
     const float* vr = as_float<T>(v + row, D, tmp);
@@ -290,7 +290,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
 #endif
       attend<T>(qf.data(), kp + h0 * D, vp + h0 * D, tp + b * width, lp[b], l, scores.data(),
-                acc.data(), tmp.data(), o, D);
+                acc.data(), tmp.data(), inv.data(), o, D);
     }
   });
 }
