@@ -1,9 +1,12 @@
 """Triton prefill / extend attention over the paged cache (causal, varlen, GQA, online softmax).
 
-Grid (query tile, kv_head). A tile packs TILE_TOKENS consecutive new tokens of one sequence
-times all GROUP query heads of one KV head into the BLOCK_M rows of the matmul (row r is
-token r // GROUP, head r % GROUP), so K/V tiles are shared by the whole GQA group and short
-chunks (even single decode tokens in a mixed batch) still fill the rows. Tiles are numbered
+Grid (kv_head, query tile): the KV heads of one tile run side by side and read each cached
+token's K/V rows (the heads are adjacent in memory) together (an H100 measured 2-6% faster
+than tiles first; past CUDA's 65,535 on the grid's second axis the order flips). A tile packs
+TILE_TOKENS consecutive new tokens of one sequence times all GROUP query heads of one KV head
+into the BLOCK_M rows of the matmul (row r is token r // GROUP, head r % GROUP), so K/V tiles
+are shared by the whole GQA group and short chunks (even single decode tokens in a mixed
+batch) still fill the rows. Tiles are numbered
 across the batch by a prefix sum of each sequence's tile count that every program computes
 from cu_seqlens_q itself (a few hundred int32 loads, cached): a program finds its sequence by
 counting prefix entries <= its id, so there is no device->host sync, no per-batch
@@ -30,6 +33,8 @@ from kernels.triton_attention_tuning import (
     token_bucket,
 )
 from kernels.triton_paged_attend import attend_paged
+
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 @triton.jit
@@ -62,9 +67,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
                     stride_kb, stride_ks, stride_kh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_TOKENS: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+                    BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    HEADS_FIRST: tl.constexpr):
+    pid = tl.program_id(1 if HEADS_FIRST else 0)
+    kv_head = tl.program_id(0 if HEADS_FIRST else 1)
     seq, end = _find_tile(pid, cu_seqlens_q_ptr, batch, TILE_TOKENS, BLOCK_B)
     if seq >= batch:
         return
@@ -146,12 +152,14 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     else:
         kernel = _prefill_kernel
         launch = dict(BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
-    kernel[(max_tiles, num_kv_heads)](
+    heads_first = max_tiles <= MAX_GRID_Y
+    grid = (num_kv_heads, max_tiles) if heads_first else (max_tiles, num_kv_heads)
+    kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E, batch, token_bucket(num_tokens),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, TILE_TOKENS=tile_tokens, BLOCK_SIZE=block_size,
         BLOCK_M=max(16, next_pow2(tile_tokens * group)), BLOCK_D=block_d, BLOCK_B=64,
-        DOT_PRECISION=dot_precision(q.dtype), **launch)
+        DOT_PRECISION=dot_precision(q.dtype), HEADS_FIRST=heads_first, **launch)
     return out

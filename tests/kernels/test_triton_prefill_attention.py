@@ -73,6 +73,21 @@ def test_many_sequences():
     run_case(batch, 4, 16, 32, torch.float32)
 
 
+def test_tiles_first_past_the_grid_limit(monkeypatch):
+    """More tiles than CUDA's grid allows on its second axis flip the grid to tiles first: the
+    same programs, so the same bits (the limit lowered to reach that path with a small batch)."""
+    import kernels.triton_prefill_attention as prefill
+
+    def output(max_grid_y: int) -> torch.Tensor:
+        monkeypatch.setattr(prefill, "MAX_GRID_Y", max_grid_y)
+        outs = []
+        check_prefill(lambda *a: outs.append(paged_prefill_attention_triton(*a)) or outs[-1],
+                      [(0, 37), (45, 20), (3, 1)], 4, 16, 32, torch.float32, NUM_KV_HEADS)
+        return outs[0]
+
+    assert torch.equal(output(prefill.MAX_GRID_Y), output(1))
+
+
 def test_strided_query_and_empty_sequence():
     # q sliced from a fused qkv projection; a sequence with no new tokens in the batch.
     batch = [(0, 5), (10, 0), (7, 3)]
