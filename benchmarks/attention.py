@@ -8,7 +8,9 @@ single pass forced, and split-K forced (with the split count it would use; `-` w
 GPU's peak, and torch `scaled_dot_product_attention` on the same K/V gathered into contiguous
 [batch, kv_heads, context, head_dim] tensors (SDPA's best case: no paging, no padding; the
 faster of native GQA and K/V expanded to the query heads, where memory allows); `vs sdpa` is
-SDPA's time over ours (> 1: we are faster). Prefill, per head_dim: causal attention of whole
+SDPA's time over ours (> 1: we are faster). `--only decode-order`: decode over contexts of
+varied lengths (uniform in [c/4, 7c/4], shuffled), launched in batch order vs longest first
+(the order the engine passes). Prefill, per head_dim: causal attention of whole
 prompts and chunked-prefill extends on a cached prefix, in TFLOP/s, against SDPA on the same
 data. Every shape also checks the Triton output against SDPA's (max err column).
 
@@ -51,7 +53,8 @@ class Shape:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("decode", "prefill"), help="run one benchmark only")
+    parser.add_argument("--only", choices=("decode", "prefill", "decode-order"),
+                        help="run one benchmark only (decode-order: only run by name)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
@@ -292,6 +295,46 @@ def run_decode(args, shape: Shape, dtype, device, peak_gbps: float | None) -> li
     return rows
 
 
+def decode_order_case(args, shape: Shape, batch: int, context: int, dtype, device) -> tuple | None:
+    """(batch order us, longest first us, GB/s longest first) over varied contexts."""
+    from kernels.triton_decode_attention import paged_decode_attention_triton
+    longest = context * 7 // 4
+    elem = torch.empty((), dtype=dtype).element_size()
+    if not fits(2 * batch * longest * shape.num_kv_heads * shape.head_dim * elem, device):
+        return None
+    k_cache, v_cache, tables = random_paged_cache(batch, longest, shape, dtype, device)
+    q = torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=dtype, device=device)
+    lens = torch.randint(context // 4, longest + 1, (batch,), device=device, dtype=torch.int32)
+    first = torch.argsort(lens, descending=True).to(torch.int32)
+    plain_us, first_us = (1e3 * bench_ms(lambda o=o: paged_decode_attention_triton(
+        q, k_cache, v_cache, tables, lens, shape.head_dim ** -0.5, order=o), args.cuda_graph)
+        for o in (None, first))
+    read = 2 * int(lens.sum()) * shape.num_kv_heads * shape.head_dim * elem
+    return plain_us, first_us, read / first_us / 1e3
+
+
+def run_decode_order(args, shape: Shape, dtype, device) -> None:
+    print(f"\ndecode attention, varied contexts (uniform in [c/4, 7c/4]): batch order vs longest "
+          f"first; Hq={shape.num_q_heads} Hkv={shape.num_kv_heads} D={shape.head_dim} {args.dtype}"
+          + (" (CUDA graphs)" if args.cuda_graph else ""))
+    print(f"{'batch':>6} {'context':>8} {'batch order us':>15} {'longest first us':>17} "
+          f"{'GB/s':>7} {'speed-up':>9}")
+    ratios = []
+    for context in args.contexts:
+        for batch in args.batches:
+            case = decode_order_case(args, shape, batch, context, dtype, device)
+            if case is None:
+                continue
+            plain_us, first_us, gbps = case
+            ratios.append(plain_us / first_us)
+            print(f"{batch:>6} {context:>8} {plain_us:>15.1f} {first_us:>17.1f} {gbps:>7.0f} "
+                  f"{ratios[-1]:>8.3f}x")
+    if ratios:
+        print(f"decode order: longest first {math.prod(ratios) ** (1 / len(ratios)):.3f}x batch "
+              f"order (geometric mean of {len(ratios)} shapes), {min(ratios):.3f}-"
+              f"{max(ratios):.3f}x")
+
+
 def format_splits(row: dict) -> str:
     times = row["by_splits"]
     best = min(times, key=times.get)
@@ -418,6 +461,11 @@ def run_all(args, dtype, device, peak_gbps: float | None) -> list[dict]:
     """Decode tables (per --decode-head-dims), prefill tables (per --head-dims), summaries."""
     torch.manual_seed(0)
     decode_rows, prefill_rows = [], []
+    if args.only == "decode-order":
+        for head_dim in args.decode_head_dims:
+            shape = Shape(args.num_q_heads, args.num_kv_heads, head_dim, args.block_size)
+            run_decode_order(args, shape, dtype, device)
+        return []
     if args.only != "prefill":
         for head_dim in args.decode_head_dims:
             shape = Shape(args.num_q_heads, args.num_kv_heads, head_dim, args.block_size)

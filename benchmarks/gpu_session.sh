@@ -49,7 +49,7 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
 # with the engine's defaults: CUDA graphs and async scheduling), the suite, the kernels' table,
 # the 8B shape, step by step (what async scheduling buys), batch-1 without graphs (what they
 # buy, and a figure even if capture fails), then the tile sweeps.
-ALL=(latency_qwen3 nanovllm_qwen3 nanovllm_qwen3_repeat tests attention latency_llama3_8b
+ALL=(latency_qwen3 nanovllm_qwen3 nanovllm_qwen3_repeat tests attention decode_order latency_llama3_8b
      nanovllm_qwen3_sync nanovllm_qwen3_4k latency_qwen3_sync latency_qwen3_eager attention_graph
      decode_splits prefill_sweep attention_autotune attention_sweep)
 
@@ -73,6 +73,9 @@ spec() {
     nanovllm_qwen3_4k) echo 150 "$py" "${QWEN3[@]}" "${NANOVLLM[@]}" --phases \
       --max-num-batched-tokens 4096 $json ;;
     attention) echo 120 "$py" benchmarks/attention.py --dtype bfloat16 ;;
+    # Varied contexts launched in batch order vs longest first (what the engine passes).
+    decode_order) echo 90 "$py" benchmarks/attention.py --dtype bfloat16 --only decode-order \
+      --batches 32 80 128 256 --contexts 512 2048 8192 ;;
     # Every decode tile of the sweep space on a few shapes: what retuning DECODE_TILES needs.
     attention_sweep) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 --only decode \
       --sweep-tiles --batches 1 8 64 256 --contexts 512 8192 ;;
@@ -103,7 +106,7 @@ parallel_args() {  # xdist by file (module fixtures build their models once); a 
 
 # The lines of a run's log worth reading in the summary.
 figures() {
-  grep -E "ms per token|output tok/s|start-up|roofline|outside the model|Triton kernel variants|^(decode|prefill|extend) D=|passed|failed|FAILED|ERROR|Error" \
+  grep -E "ms per token|output tok/s|start-up|roofline|outside the model|Triton kernel variants|^(decode|prefill|extend) D=|^decode order|passed|failed|FAILED|ERROR|Error" \
     "$logs/$1.log" | grep -v "^  " | tail -n 12 | sed 's/^/    /'
 }
 

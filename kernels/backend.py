@@ -39,6 +39,9 @@ class KernelOps:
     silu_and_mul: Callable
     apply_token_bitmask: Callable  # a grammar's allowed tokens (sampler)
     argmax: Callable  # each row's largest logit (sampler)
+    # paged_decode_attention works through the sequences in a given order: the engine builds
+    # one per step (longest first) for it, and none for the others
+    orders_decodes: bool = False
 
 
 TORCH_OPS = KernelOps(

@@ -121,7 +121,8 @@ def available(mode: str | None = None) -> bool:
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                               scale: float, out: torch.Tensor | None = None,
+                               order: torch.Tensor | None = None) -> torch.Tensor:  # noqa: ARG001
     return written(out, torch.ops.flagserve_cpu.paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale))
 
@@ -208,4 +209,5 @@ def native_ops(ops: KernelOps) -> KernelOps:
                                rms_norm=rms_norm_cpu, fused_add_rms_norm=fused_add_rms_norm_cpu,
                                silu_and_mul=silu_and_mul_cpu,
                                rotary_store_kvcache=rotary_store_kvcache_cpu,
-                               apply_token_bitmask=apply_token_bitmask_cpu, argmax=argmax_cpu)
+                               apply_token_bitmask=apply_token_bitmask_cpu, argmax=argmax_cpu,
+                               orders_decodes=False)

@@ -3,7 +3,9 @@
 q: [batch, num_q_heads, head_dim]; block_tables: [batch, max_blocks] int32 (entries past a
 sequence's last block are ignored); seq_lens: [batch] int32, the number of cached tokens
 (the current token included). Returns [batch, num_q_heads, head_dim]: `out` where given
-(kernels/out_arg.py).
+(kernels/out_arg.py). `order` ([batch] int32, a permutation of the rows, or None) is a hint
+of the order to work through the sequences in, longest first from the engine (the Triton
+kernel's launch order); the result never depends on it, and implementations may ignore it.
 """
 import torch
 import torch.nn.functional as F
@@ -41,7 +43,8 @@ MIN_BUCKETED_BATCH = 16
 
 def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                                 scale: float, out: torch.Tensor | None = None,
+                                 order: torch.Tensor | None = None) -> torch.Tensor:  # noqa: ARG001
     lens = seq_lens.tolist()
     if len(lens) < MIN_BUCKETED_BATCH:
         return written(out, _attend(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale))

@@ -1,11 +1,11 @@
 """Triton paged decode attention: one query token per sequence, two paths.
 
-Single pass, grid (batch, kv_head): one program streams a whole sequence's context for one KV
+Single pass, grid (kv_head, batch): one program streams a whole sequence's context for one KV
 head and writes the output itself. One launch, no scratch buffers: the path for large
 batches (batch x kv_heads programs already fill the GPU) and short contexts (one program
 reads the context faster than a second launch would cost).
 
-Split-K (flash-decoding), grid (batch, kv_head, split): only when the batch leaves most SMs
+Split-K (flash-decoding), grid (kv_head, batch, split): only when the batch leaves most SMs
 idle and the context may be long. Each split covers a slice of the context sized from the
 sequence's own length (rounded up to BLOCK_N), so short sequences leave later splits empty;
 partial outputs and base-2 log-sum-exps go to fp32 scratch and a second kernel merges them.
@@ -15,6 +15,13 @@ read once. The path and split count come from host-known sizes only (batch, kv h
 block-table width), never from seq_lens values: no device->host sync, and the choice is fixed
 for a CUDA graph captured at one batch size and table width. A row with seq_len 0 (padding)
 yields zeros; padded rows need a valid block-table row (zeros: block 0) and nothing else.
+
+Launch order: the KV heads of a sequence side by side, and the sequences in `order` when the
+caller gives one (a permutation of the rows; the engine passes longest first, built on the
+host with the step's inputs). Programs are as long as their contexts, so a long one launched
+last runs alone at the end of the kernel at one program's bandwidth; longest first fills that
+tail with short ones (a simulation of nano-vllm's batches put it at 2-9% of the kernel's time
+at 80-200 rows, docs/performance.md). The result does not depend on the order.
 """
 import torch
 import triton
@@ -54,14 +61,16 @@ def _context_range(seq_len, split, num_splits, SPLIT: tl.constexpr, BLOCK_N: tl.
 
 # num_splits varies with the batch size: a runtime argument, so it never triggers a recompile.
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
                    out_ptr, mid_out_ptr, mid_lse_ptr, qk_scale, num_q_heads, num_splits,
                    stride_qb, stride_qh, stride_bt, stride_kb, stride_ks, stride_kh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+                   BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ORDERED: tl.constexpr):
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    if ORDERED:
+        seq = tl.load(order_ptr + seq).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start, end = _context_range(seq_len, split, num_splits, SPLIT, BLOCK_N)
@@ -137,10 +146,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                  out: torch.Tensor | None = None, *, num_splits: int | None = None,
+                                  out: torch.Tensor | None = None, order: torch.Tensor | None = None,
+                                  *, num_splits: int | None = None,
                                   tile: Tile | None = None) -> torch.Tensor:
-    """Same contract as paged_decode_attention_torch; num_splits overrides the choice
-    (1: the single pass; more: split-K), tile the tuning table's launch settings."""
+    """Same contract as paged_decode_attention_torch; order ([batch] int32, a permutation of
+    the rows) the sequences' launch order, num_splits overrides the choice (1: the single
+    pass; more: split-K), tile the tuning table's launch settings."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
@@ -163,14 +174,16 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         mid_out = mid_lse = out  # unused: the single pass writes `out` itself
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, mid_out, mid_lse, scale * LOG2E,
+    assert order is None or (order.shape == (batch,) and order.dtype == torch.int32)
+    _decode_kernel[(num_kv_heads, batch, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order, out,
+        mid_out, mid_lse, scale * LOG2E,
         num_q_heads, num_splits, q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split,
         BLOCK_G=max(tile.block_m, next_pow2(num_q_heads // num_kv_heads)),  # tl.dot: M >= 16
         BLOCK_N=tile.block_n, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        ORDERED=order is not None, num_warps=tile.num_warps, num_stages=tile.num_stages)
     if split:
         _decode_merge_kernel[(batch, num_q_heads)](
             mid_out, mid_lse, seq_lens, out, num_splits,

@@ -17,6 +17,7 @@ TRITON_OPS = KernelOps(
     silu_and_mul=silu_and_mul_triton,
     apply_token_bitmask=apply_token_bitmask_torch,  # one add: no kernel of its own needed
     argmax=argmax_torch,
+    orders_decodes=True,
 )
 
 

@@ -61,6 +61,22 @@ def test_fill_decode_only_step_and_reuse_of_its_views():
     assert bufs.fill(step_of([1, 1, 1], [5, 10, 2], [[2, 3], [1, 3, 4], [6]], [1])) is not b
 
 
+def test_decode_order_longest_first():
+    # Where the decode kernel takes a launch order: the decodes by descending length, padded
+    # rows (length 1) last; a prefill-only step has none, nor a kernel that takes none.
+    bufs = StepBuffers(max_tokens=32, max_seqs=4, max_blocks_per_seq=8, block_size=4,
+                       device=torch.device("cpu"), order_decodes=True)
+    b = bufs.fill(step_of([1, 1, 1, 5], [2, 9, 4, 0], [[7], [5, 1, 3], [6, 2], [4, 8]], [0, 1, 2, 3]))
+    assert b.meta.seq_lens.tolist() == [3, 10, 5, 5] and b.meta.decode_order.tolist() == [1, 2, 0]
+    b = bufs.fill(step_of([1, 1], [2, 9], [[7], [5, 1, 3]], [0, 1]), pad_to=4)
+    assert b.meta.decode_order.tolist() == [1, 0, 2, 3]
+    assert b.meta.decode_order.data_ptr() == bufs.padded_batch(4).meta.decode_order.data_ptr()
+    assert bufs.fill(step_of([5], [0], [[4, 8]], [0])).meta.decode_order is None
+    unordered = StepBuffers(max_tokens=32, max_seqs=4, max_blocks_per_seq=8, block_size=4,
+                            device=torch.device("cpu"))
+    assert unordered.fill(step_of([1, 1], [2, 9], [[7], [5, 1, 3]], [0, 1])).meta.decode_order is None
+
+
 def test_fill_padded_decode_step():
     bufs = StepBuffers(max_tokens=32, max_seqs=4, max_blocks_per_seq=3, block_size=4,
                        device=torch.device("cpu"))

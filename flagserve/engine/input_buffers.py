@@ -64,6 +64,7 @@ FIELDS = {
     "seq_lens": (torch.int32, "seqs"),
     "cu_seqlens_q": (torch.int32, "seqs+1"),
     "block_tables": (torch.int32, "table"),  # flat: a step views its prefix as [rows, width]
+    "decode_order": (torch.int32, "seqs"),  # AttentionMetadata's, where the kernel takes one
     "pending_positions": (torch.long, "seqs"),  # async scheduling: StepInput's fields of the name
     "pending_rows": (torch.long, "seqs"),
 }
@@ -71,8 +72,9 @@ FIELDS = {
 
 class StepBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, order_decodes: bool = False):
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
+        self.order_decodes = order_decodes
         sizes = {"tokens": max_tokens, "seqs": max_seqs, "seqs+1": max_seqs + 1,
                  "table": max_seqs * max_blocks_per_seq}
         pinned = device.type == "cuda"
@@ -88,6 +90,7 @@ class StepBuffers:
         # Until a step writes them: what a padded row holds (a capture may read any row).
         self.host["slot_mapping"][:] = -1
         self.host["seq_lens"][:] = 1
+        self.host["decode_order"][:] = np.arange(max_seqs)
         # Set after each step's copies: the next fill must not overwrite pinned memory that a
         # copy still reads (pipeline stages other than the last never wait for the GPU).
         self.copied = torch.cuda.Event() if pinned else None
@@ -114,6 +117,9 @@ class StepBuffers:
         self._fill_tokens(step, num_new, tables, pad_to or step.num_tokens, decode_only)
         self.host["seq_lens"][n:rows] = 1
         num_decodes = pad_to or ones  # decodes come first
+        if self.order_decodes:  # longest first; padded rows (length 1) last
+            self.host["decode_order"][:num_decodes] = np.argsort(
+                -self.host["seq_lens"][:num_decodes], kind="stable")
         num_prefills = n - num_decodes if not pad_to else 0
         cu = self.host["cu_seqlens_q"]
         cu[0] = 0
@@ -126,7 +132,8 @@ class StepBuffers:
         pending = len(step.pending_positions)
         self.host["pending_positions"][:pending] = step.pending_positions
         self.host["pending_rows"][:pending] = step.pending_rows
-        used = self._used(pad_to or step.num_tokens, rows, width, num_prefills, k, pending)
+        used = self._used(pad_to or step.num_tokens, rows, width, num_prefills, k, pending,
+                          num_decodes if self.order_decodes else 0)
         self._upload(used)
         return self._batch(used, num_decodes, width, step.num_tokens, bool(pad_to))
 
@@ -160,11 +167,12 @@ class StepBuffers:
 
     @staticmethod
     def _used(tokens: int, rows: int, width: int, num_prefills: int, logits: int,
-              pending: int = 0) -> dict[str, int]:
+              pending: int = 0, ordered: int = 0) -> dict[str, int]:
         """How much of each buffer a step uses (a prefix of each)."""
         return {"input_ids": tokens, "positions": tokens, "slot_mapping": tokens,
                 "logits_indices": logits, "seq_lens": rows, "cu_seqlens_q": num_prefills + 1,
-                "block_tables": rows * width, "pending_positions": pending, "pending_rows": pending}
+                "block_tables": rows * width, "decode_order": ordered,
+                "pending_positions": pending, "pending_rows": pending}
 
     def _upload(self, used: dict[str, int]) -> None:
         if self.copied is None:
@@ -190,7 +198,8 @@ class StepBuffers:
         meta = AttentionMetadata(num_decode_tokens=num_decodes, slot_mapping=views["slot_mapping"],
                                  seq_lens=views["seq_lens"],
                                  block_tables=views["block_tables"].view(-1, width),
-                                 cu_seqlens_q=views["cu_seqlens_q"])
+                                 cu_seqlens_q=views["cu_seqlens_q"],
+                                 decode_order=views["decode_order"] if used["decode_order"] else None)
         pending = (None, None)
         if used["pending_rows"]:
             pending = (views["pending_positions"], views["pending_rows"])
@@ -199,5 +208,5 @@ class StepBuffers:
 
     def padded_batch(self, rows: int) -> PreparedBatch:
         """The inputs of a padded decode step of `rows` rows as they stand (what a graph reads)."""
-        return self._batch(self._used(rows, rows, self.max_blocks, 0, 0), rows, self.max_blocks,
-                           rows, True)
+        used = self._used(rows, rows, self.max_blocks, 0, 0, 0, rows if self.order_decodes else 0)
+        return self._batch(used, rows, self.max_blocks, rows, True)

@@ -125,7 +125,7 @@ class ModelRunner:
         args, bs = self.args, self.block_size
         max_tokens = batched_tokens(args, self.max_model_len, self.device.type == "cuda")
         self.buffers = StepBuffers(max_tokens, args.max_num_seqs, -(-self.max_model_len // bs), bs,
-                                   self.device)
+                                   self.device, order_decodes=self.ops.orders_decodes)
         self.decode_mode, self.graphs, self.stage_inputs = mode, None, None
         self.buckets = [] if mode == "eager" else decode_buckets(min(args.max_num_seqs, max_tokens))
         if self.buckets and not self.par.is_first_stage:

@@ -18,3 +18,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [batch, width] int32, contiguous; entries past a sequence's
     # blocks are 0; width is the step's longest table, or every block of max_model_len when padded
     cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32: prefill query offsets (from 0)
+    # [num_decode_tokens] int32: the decodes by descending seq_len, the order the decode kernel
+    # launches them in (kernels/triton_decode_attention.py); None where the kernel takes none
+    decode_order: torch.Tensor | None = None

@@ -53,3 +53,13 @@ def test_a_split_sweep_line_names_the_best_count_against_the_wrappers():
     row = dict(splits=1, auto_us=20.0, by_splits={1: 20.0, 2: 19.5, 8: 10.0})
     line = bench.format_splits(row)
     assert "best 8 10.0 us, the wrapper's 1 20.0 us (2.00x); 1:20.0 2:19.5 8:10.0" in line
+
+
+def test_decode_order_table(capsys):
+    """`--only decode-order` on a tiny shape (the interpreter on CPU: timings mean nothing)."""
+    args = bench.argparse.Namespace(cuda_graph=False, dtype="float32", contexts=[40], batches=[3])
+    bench.run_decode_order(args, bench.Shape(4, 2, 32, 16), torch.float32, torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu"))
+    out = capsys.readouterr().out
+    assert "     3       40 " in out and "decode order: longest first" in out
+    assert "geometric mean of 1 shapes" in out

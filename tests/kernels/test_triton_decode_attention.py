@@ -128,3 +128,19 @@ def test_the_sweep_space_holds_every_table_tile_and_fits_shared_memory():
             assert tile in space, (head_dim, dtype)
             assert all(2 * t.block_n * head_dim * 2 * t.num_stages <= 112 * 1024 for t in space)
     assert decode_sweep_space(128, torch.float32) == [decode_tile(128, torch.float32)]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["single-pass", "split-k"])
+def test_launch_order_changes_nothing(num_splits):
+    # The engine launches the longest sequences first: any permutation gives the same bits,
+    # and each sequence still gets its own output row.
+    seq_lens = [70, 1, 300, 17, 130, 16]
+    k_cache, v_cache, table = make_paged_cache(seq_lens, 16, NUM_KV_HEADS, 64, torch.float32)
+    q = torch.randn(len(seq_lens), NUM_KV_HEADS * 4, 64, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    plain = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, 0.125,
+                                          num_splits=num_splits)
+    for order in (torch.argsort(lens, descending=True), torch.randperm(len(seq_lens))):
+        out = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, 0.125,
+                                            order=order.to(torch.int32), num_splits=num_splits)
+        assert torch.equal(out, plain)
