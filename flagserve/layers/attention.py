@@ -28,14 +28,15 @@ class PagedAttention(nn.Module):
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             return self.ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                                   meta.seq_lens, self.scale, None, meta.decode_order)
+                                                   meta.seq_lens, self.scale, order=meta.decode_order)
         if nd == 0:
             return self.ops.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                                     meta.cu_seqlens_q, meta.seq_lens, self.scale)
         # Each half written in place (kernels/out_arg.py); contiguous whatever q's strides.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
-                                        meta.seq_lens[:nd], self.scale, out[:nd], meta.decode_order)
+                                        meta.seq_lens[:nd], self.scale, out[:nd],
+                                        order=meta.decode_order)
         self.ops.paged_prefill_attention(q[nd:], self.k_cache, self.v_cache, meta.block_tables[nd:],
                                          meta.cu_seqlens_q, meta.seq_lens[nd:], self.scale, out[nd:])
         return out
