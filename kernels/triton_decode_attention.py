@@ -20,7 +20,7 @@ Launch order: the KV heads of a sequence side by side, and the sequences in `ord
 caller gives one (a permutation of the rows; the engine passes longest first, built on the
 host with the step's inputs). Programs are as long as their contexts, so a long one launched
 last runs alone at the end of the kernel at one program's bandwidth; longest first fills that
-tail with short ones (a simulation of nano-vllm's batches put it at 2-9% of the kernel's time
+tail with short ones (a simulation of nano-vllm's batches put it at 1-9% of the kernel's time
 at 80-200 rows, docs/performance.md). The result does not depend on the order.
 """
 import torch
