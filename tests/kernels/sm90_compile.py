@@ -98,9 +98,11 @@ def cases():
         k_cache = t(64, bs, hkv, d, dtype=dtype)
         tables = torch.ones(4, 8, dtype=torch.int32)
         lens = torch.full((4,), 100, dtype=torch.int32)
-        if num_splits:  # decode: 1 is the single pass, more is split-K (+ merge)
+        if num_splits:  # decode: 1 is the single pass, more is split-K (+ merge); the engine's
+            order = torch.arange(4, dtype=torch.int32)  # launch order, as the engine passes one
             return lambda: paged_decode_attention_triton(t(4, hq, d, dtype=dtype), k_cache, k_cache,
-                                                         tables, lens, 0.1, num_splits=num_splits)
+                                                         tables, lens, 0.1, order=order,
+                                                         num_splits=num_splits)
         cu = torch.tensor([0, 1, 2, 50, 99], dtype=torch.int32)
         return lambda: paged_prefill_attention_triton(t(99, hq, d, dtype=dtype), k_cache, k_cache,
                                                       tables, cu, lens, 0.1)
