@@ -236,7 +236,8 @@ def sweep_tiles(args, out: torch.Tensor, space: list, run) -> dict:
 
 def tile_name(tile) -> str:
     rows = f"M{tile.block_m}/" if tile.block_m != 16 else ""  # decode's rows are always 16
-    return f"{rows}N{tile.block_n}/w{tile.num_warps}/s{tile.num_stages}"
+    lazy = "/lazy" if tile.lazy_rescale else ""
+    return f"{rows}N{tile.block_n}/w{tile.num_warps}/s{tile.num_stages}{lazy}"
 
 
 def format_sweep(row: dict) -> str:

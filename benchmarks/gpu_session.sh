@@ -86,7 +86,7 @@ spec() {
       --cuda-graph --sweep-splits --batches 1 4 8 16 32 64 --contexts 512 2048 8192 ;;
     # Every prefill tile (BLOCK_M too, which autotune cannot vary) on a few shapes: what
     # retuning PREFILL_TILES needs.
-    prefill_sweep) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 --only prefill \
+    prefill_sweep) echo 240 "$py" benchmarks/attention.py --dtype bfloat16 --only prefill \
       --sweep-tiles --head-dims 128 256 --prefill-lens 512 4096 --extend-cached 2048 ;;
     attention_graph) echo 60 "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph \
       --only decode ;;

@@ -27,6 +27,10 @@ class Tile:
     # Compiles for sm_90 with register spills, kept because it measured faster than the
     # spill-free tiles (tests/kernels/sm90_compile.py allows its spills, no others').
     spills: bool = field(default=False, compare=False)  # a note on the tile, not its identity
+    # Prefill: rescale the accumulator only when a row's max grew by more than 2**8
+    # (triton_paged_attend.py). Not in the table until a GPU measures it faster (the sweep
+    # times every tile both ways).
+    lazy_rescale: bool = False
 
 
 # Decode is bandwidth-bound with only 16 (padded) query rows: registers and shared memory go
@@ -93,8 +97,9 @@ def prefill_sweep_space(block_d: int, dtype: torch.dtype) -> list[Tile]:
     if dtype == torch.float32:
         return [PREFILL_TILE_FP32]
     elem = torch.empty((), dtype=dtype).element_size()
-    return [Tile(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8)
-            for s in (2, 3) if 2 * n * block_d * elem * s + m * block_d * elem <= 200 * 1024]
+    return [Tile(m, n, w, s, lazy_rescale=lazy) for m in (64, 128) for n in (32, 64, 128)
+            for w in (4, 8) for s in (2, 3) for lazy in (False, True)
+            if 2 * n * block_d * elem * s + m * block_d * elem <= 200 * 1024]
 
 
 def token_bucket(num_tokens: int) -> int:

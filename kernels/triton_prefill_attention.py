@@ -68,7 +68,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_TOKENS: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    HEADS_FIRST: tl.constexpr):
+                    HEADS_FIRST: tl.constexpr, LAZY_RESCALE: tl.constexpr = False):
     pid = tl.program_id(1 if HEADS_FIRST else 0)
     kv_head = tl.program_id(0 if HEADS_FIRST else 1)
     seq, end = _find_tile(pid, cu_seqlens_q_ptr, batch, TILE_TOKENS, BLOCK_B)
@@ -105,10 +105,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # every row of the tile sees [0, full_end)
     acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks,
                                  stride_kb, stride_ks, d, 0, full_end, qk_scale,
-                                 "none", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
+                                 "none", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION,
+                                 LAZY_RESCALE)
     acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks,
                                  stride_kb, stride_ks, d, full_end, last_pos + 1, qk_scale,
-                                 "causal", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
+                                 "causal", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION,
+                                 LAZY_RESCALE)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=qo_mask)
@@ -151,7 +153,8 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         kernel, launch = _autotuned_kernel(block_d), {}
     else:
         kernel = _prefill_kernel
-        launch = dict(BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        launch = dict(BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages,
+                      LAZY_RESCALE=tile.lazy_rescale)
     heads_first = max_tiles <= MAX_GRID_Y
     grid = (num_kv_heads, max_tiles) if heads_first else (max_tiles, num_kv_heads)
     kernel[grid](

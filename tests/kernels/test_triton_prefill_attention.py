@@ -1,12 +1,13 @@
 """Paged prefill / extend attention against the torch reference."""
 import pytest
 import torch
-from kernel_cases import DEVICE, DTYPES, check_prefill, make_paged_cache
+from kernel_cases import ATTN_TOL, DEVICE, DTYPES, check_prefill, make_paged_cache
 
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.triton_attention_tuning import (
     AUTOTUNE_ENV,
     PREFILL_TILES,
+    Tile,
     autotune_enabled,
     prefill_sweep_space,
     prefill_tile,
@@ -107,9 +108,36 @@ def test_every_tile_of_the_sweep_is_correct():
     included): each must compute the same attention (16-bit: the sweep's own dtype class)."""
     tiles = prefill_sweep_space(32, torch.float16)
     assert prefill_tile(32, torch.float16) in tiles and {t.block_m for t in tiles} == {64, 128}
+    assert {t.lazy_rescale for t in tiles} == {False, True}
+    if DEVICE.type != "cuda":  # the interpreter ignores warps and stages: one lazy tile will do
+        tiles = [t for t in tiles if not t.lazy_rescale] + [next(t for t in tiles if t.lazy_rescale)]
     for tile in tiles:
         check_prefill(lambda *a, tile=tile: paged_prefill_attention_triton(*a, tile=tile),
                       [(0, 37), (45, 20), (3, 1)], 4, 16, 32, torch.float16, NUM_KV_HEADS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_lazy_rescale_when_the_max_jumps(dtype):
+    """The lazy rescale's both branches: the first tile (from -inf), later tiles whose max stays
+    within 2**8 (stale max), and a block of large keys late in a prompt and in a cached prefix
+    (a jump far past 2**8 mid-loop, for the causal and the mask-free phase)."""
+    from dataclasses import replace
+
+    from kernels.prefill_attention import paged_prefill_attention_torch
+    batch = [(0, 100), (70, 30)]
+    seq_lens = [c + n for c, n in batch]
+    k_cache, v_cache, table = make_paged_cache(seq_lens, 16, NUM_KV_HEADS, 32, dtype, seed=3)
+    for seq, position in ((0, 64), (1, 48)):
+        k_cache[table[seq, position // 16].long()] *= 40  # scores ~40x: far past 2**8
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(130, NUM_KV_HEADS * 4, 32, generator=gen).to(DEVICE, dtype)
+    cu = torch.tensor([0, 100, 130], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_prefill_attention_torch(q, k_cache, v_cache, table, cu, lens, 32 ** -0.5)
+    for tile in (prefill_tile(32, dtype), Tile(64, 32, 4, 2)):
+        out = paged_prefill_attention_triton(q, k_cache, v_cache, table, cu, lens, 32 ** -0.5,
+                                             tile=replace(tile, lazy_rescale=True))
+        torch.testing.assert_close(out, ref, atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
 
 
 def test_the_sweep_space_holds_every_table_tile():
