@@ -273,10 +273,14 @@ def summarize_sweep(rows: list[dict]) -> None:
               f"{gain:.2f}x the table's {tile_name(table)} (geometric mean)")
 
 
+def table_title(what: str, shape: Shape, args) -> str:
+    """A table's first line: what it times, the attention shape, the dtype, the timing mode."""
+    return (f"\n{what}: Hq={shape.num_q_heads} Hkv={shape.num_kv_heads} D={shape.head_dim} "
+            f"block={shape.block_size} {args.dtype}" + (" (CUDA graphs)" if args.cuda_graph else ""))
+
+
 def run_decode(args, shape: Shape, dtype, device, peak_gbps: float | None) -> list[dict]:
-    print(f"\ndecode attention: Hq={shape.num_q_heads} Hkv={shape.num_kv_heads} "
-          f"D={shape.head_dim} block={shape.block_size} {args.dtype}"
-          + (" (CUDA graphs)" if args.cuda_graph else ""))
+    print(table_title("decode attention", shape, args))
     print(f"{'batch':>6} {'context':>8} {'splits':>6} {'auto us':>9} {'1-pass us':>9} "
           f"{'split us':>9} {'GB/s':>7} {'%peak':>6} {'sdpa us':>9} {'vs sdpa':>8} {'max err':>8}")
     rows = []
@@ -315,9 +319,8 @@ def decode_order_case(args, shape: Shape, batch: int, context: int, dtype, devic
 
 
 def run_decode_order(args, shape: Shape, dtype, device) -> None:
-    print(f"\ndecode attention, varied contexts (uniform in [c/4, 7c/4]): batch order vs longest "
-          f"first; Hq={shape.num_q_heads} Hkv={shape.num_kv_heads} D={shape.head_dim} {args.dtype}"
-          + (" (CUDA graphs)" if args.cuda_graph else ""))
+    print(table_title("decode attention over varied contexts (uniform in [c/4, 7c/4]), batch "
+                      "order vs longest first", shape, args))
     print(f"{'batch':>6} {'context':>8} {'batch order us':>15} {'longest first us':>17} "
           f"{'GB/s':>7} {'speed-up':>9}")
     ratios = []
@@ -400,9 +403,7 @@ def prefill_case(args, shape: Shape, batch: int, q_len: int, cached: int, dtype,
 
 
 def run_prefill(args, shape: Shape, dtype, device) -> list[dict]:
-    print(f"\nprefill attention: Hq={shape.num_q_heads} Hkv={shape.num_kv_heads} "
-          f"D={shape.head_dim} block={shape.block_size} {args.dtype}"
-          + (" (CUDA graphs)" if args.cuda_graph else ""))
+    print(table_title("prefill attention", shape, args))
     print(f"{'batch':>6} {'new':>6} {'cached':>7} {'triton us':>10} {'TFLOP/s':>8} "
           f"{'sdpa us':>9} {'TFLOP/s':>8} {'vs sdpa':>8} {'max err':>8}")
     # Whole prompts, then chunked-prefill extends (one chunk after a cached prefix).
