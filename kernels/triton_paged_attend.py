@@ -52,24 +52,23 @@ def attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stri
         elif MASK == "tail":
             s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        v_ptrs = v_base + (block * stride_vb + offset * stride_vs)[:, None] + d[None, :]
         if LAZY_RESCALE:
             # -inf to a finite max (a row's first position) is growth too: it always rescales
             grew = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), axis=0)
             if grew > 8.0:
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.exp2(s * qk_scale - m_i[:, None])
-            l_i = l_i + tl.sum(p, axis=1)
-            v = _load_kv(v_ptrs, n_mask, d, MASK != "none", HEAD_DIM, BLOCK_D)
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+                acc, l_i, m_i = _rescale(acc, l_i, m_i, m_new)
         else:
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _load_kv(v_ptrs, n_mask, d, MASK != "none", HEAD_DIM, BLOCK_D)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            acc, l_i, m_i = _rescale(acc, l_i, m_i, m_new)
+        p = tl.exp2(s * qk_scale - m_i[:, None])
+        l_i = l_i + tl.sum(p, axis=1)
+        v_ptrs = v_base + (block * stride_vb + offset * stride_vs)[:, None] + d[None, :]
+        v = _load_kv(v_ptrs, n_mask, d, MASK != "none", HEAD_DIM, BLOCK_D)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _rescale(acc, l_i, m_i, m_new):
+    """The running sums moved to the new max (the online softmax's correction)."""
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha, m_new
