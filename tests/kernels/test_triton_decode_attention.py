@@ -140,7 +140,9 @@ def test_launch_order_changes_nothing(num_splits):
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     plain = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, 0.125,
                                           num_splits=num_splits)
-    for order in (torch.argsort(lens, descending=True), torch.randperm(len(seq_lens))):
+    # the order lives where the kernel reads it (a CPU tensor cannot be read by a CUDA kernel)
+    shuffled = torch.randperm(len(seq_lens), device=DEVICE)
+    for order in (torch.argsort(lens, descending=True), shuffled):
         out = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, 0.125,
                                             order=order.to(torch.int32), num_splits=num_splits)
         assert torch.equal(out, plain)
