@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from flagserve.cluster.port_owner import owners
-from flagserve.cluster.ray_env import LOCAL_HOST, ray_temp_dir
+from flagserve.cluster.ray_env import LOCAL_HOST, SERVE_ENV, ray_temp_dir
 from flagserve.cluster.records import ExpPaths, load_processes
 from flagserve.runner.launcher import session_members
 from tests.serve.conftest import REPO, free_port, kill_recorded, run_py
@@ -124,6 +124,22 @@ def test_ray_listens_on_loopback_only(race):
         with pytest.raises(grpc.RpcError) as err:
             call(b"", timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_every_ray_process_runs_with_the_serving_settings(race):
+    # Ray reads them when each of its processes starts (the GCS's controller-loop load and
+    # metrics, the raylet's task events, Serve's loop in the controller): all must inherit them.
+    names = {"gcs_server": 0, "raylet": 0, "ServeController": 0, "ServeReplica": 0}
+    for proc in session_members(load_processes(ExpPaths(race.exp_dir))[0]):
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            line = " ".join(proc.cmdline())
+            name = next((n for n in names if n in line), None)
+            if name is None:
+                continue
+            names[name] += 1
+            env = proc.environ()
+            assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV, (name, proc.pid)
+    assert all(names.values()), names
 
 
 def test_the_api_key_is_in_no_file_others_can_read(race):
