@@ -2,6 +2,8 @@
 tests of a module, stopped with action=stop and, should that fail, by its recorded session."""
 from __future__ import annotations
 
+import contextlib
+import random
 import socket
 import subprocess
 import sys
@@ -27,9 +29,16 @@ def tiny_serve_args(exp_dir: Path, port: int, *overrides: str) -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. A port from bind(0) is one the kernel
+    hands out again: a Ray gRPC server starting meanwhile can get it, and since both bind with
+    SO_REUSEPORT, the deployment's port then answers HTTP or gRPC at random."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()  # unseeded: parallel test processes draw different ports
+    while True:
+        port = rng.randrange(max(1024, low // 2), low)
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
 
 
 @dataclass
