@@ -69,7 +69,7 @@ class AsyncEngine:
 
     async def _stream(self, request_id: str, command: Command
                       ) -> AsyncIterator[RequestOutput | RequestHandoff]:
-        if not self.alive:
+        if self.error is not None or not self.core.accepting:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         self._loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()

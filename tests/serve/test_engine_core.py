@@ -77,10 +77,14 @@ def test_engine_process_death_fails_streams(llama_path):
             gen = engine.generate("r", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
             await gen.__anext__()
             os.kill(engine.core.proc.pid, signal.SIGKILL)
+            # admitted or refused (the death may not be reported yet): it fails, never hangs
+            late = engine.generate("late", [1, 2], SamplingParams(max_tokens=4))
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(late.__anext__(), 30)
             with pytest.raises(EngineDeadError, match="exited"):
                 async for _ in gen:
                     pass
-            assert not engine.alive
+            assert not engine.alive and not engine.core.accepting
 
         asyncio.run(main())
     finally:

@@ -23,7 +23,14 @@ class EngineCore(Protocol):
     def send(self, command: Command) -> None: ...
 
     @property
-    def alive(self) -> bool: ...
+    def alive(self) -> bool:
+        """Alive now, exact (what /health reports; may read the OS's process tables)."""
+
+    @property
+    def accepting(self) -> bool:
+        """Not known dead or stopping: cheap enough for every request. A request admitted
+        in the moment between a death and its report gets the EngineDeadError that the
+        report sends every stream (start's on_result), not a hang."""
 
     def shutdown(self) -> None: ...
 

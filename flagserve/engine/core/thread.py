@@ -53,6 +53,10 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def accepting(self) -> bool:
+        return self.alive and not self._stopping
+
     def shutdown(self) -> None:
         if self._stopping:
             return
