@@ -24,6 +24,7 @@ Targets (issue 13): decode faster than SDPA at every shape with batch >= 8 and n
 split/merge cost at batch 1; prefill and extend at >= 0.9x SDPA.
 """
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -246,8 +247,11 @@ def format_sweep(row: dict) -> str:
     wrong = [tile_name(t) for t in row["tiles"] if t not in timed]
     best = min(timed, key=timed.get)
     table_us = timed.get(table_tile, row.get("auto_us", row.get("triton_us")))
+    # the best tile's other rescale, where swept: the lazy rescale's own share of a win
+    twin = dataclasses.replace(best, lazy_rescale=not best.lazy_rescale)
     return (f"{'':>6} tiles: best {tile_name(best)} {timed[best]:.1f} us, table "
             f"{tile_name(table_tile)} {table_us:.1f} us ({table_us / timed[best]:.2f}x)"
+            + (f"; {tile_name(twin)} {timed[twin]:.1f} us" if twin in timed else "")
             + (f"; failed or wrong output: {', '.join(wrong)}" if wrong else ""))
 
 

@@ -29,6 +29,14 @@ def test_a_shape_line_names_the_best_tile_and_the_failed_ones():
     assert "failed or wrong output: N128/w8/s2" in line
 
 
+def test_a_lazy_best_tile_names_its_eager_twin():
+    lazy = Tile(128, 128, 8, 2, lazy_rescale=True)
+    row = dict(kind="extend", head_dim=128, table_tile=Tile(128, 32, 4, 2), triton_us=24.0,
+               tiles={Tile(128, 32, 4, 2): 24.0, lazy: 21.6, Tile(128, 128, 8, 2): 22.8})
+    assert "best M128/N128/w8/s2/lazy 21.6 us, table M128/N32/w4/s2 24.0 us (1.11x); " \
+        "M128/N128/w8/s2 22.8 us" in bench.format_sweep(row)
+
+
 def test_the_summary_picks_the_best_tile_over_all_shapes_it_ran_on(capsys):
     bench.summarize_sweep(rows())  # BROKEN is fastest once but failed once: not a candidate
     out = capsys.readouterr().out
