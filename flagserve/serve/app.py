@@ -176,8 +176,11 @@ def dependency_order(config: Config, module_id: str) -> list[str]:
 
 def build_app(config: Config, hosts: list[Host]) -> Application:
     stop = shutdown_options(config)
+    # Its calls are the replicas' pushes (twice a second under load, a heartbeat every 10 s
+    # idle) and scrapes: Serve's access log line for each would fill server.log.
     hub = serve.deployment(MetricsHub).options(
-        name=HUB_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
+        name=HUB_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0},
+        logging_config={"enable_access_log": False}).bind()
     users = {
         mid: serve.deployment(UserModuleDeployment).options(
             name=mid, **deployment_options(m.resources, num_cpus=0), **stop

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -140,6 +141,20 @@ def test_every_ray_process_runs_with_the_serving_settings(race):
             env = proc.environ()
             assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV, (name, proc.pid)
     assert all(names.values()), names
+
+
+def test_server_log_has_the_replicas_lines_but_no_metrics_calls(race):
+    """The metrics deployment's calls (pushes, scrapes) are not access-logged: they came every
+    10 s idle. The replicas' own lines still reach server.log (Ray forwards them)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert requests.get(f"{race.url}/metrics", headers=auth, timeout=10).status_code == 200
+    log = race.exp_dir / "logs" / "server.log"
+    deadline = time.monotonic() + 30
+    while "engine-core INFO" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    text = log.read_text()
+    assert "engine-core INFO" in text  # forwarded replica output
+    assert not re.search(r"ServeReplica:[^:]+:metrics .* CALL ", text), text[-2000:]
 
 
 def test_the_api_key_is_in_no_file_others_can_read(race):
