@@ -4,21 +4,15 @@ handoffs travel by a queue (the control path), the KV by gloo."""
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 
 import pytest
 from test_disaggregation import BLOCKS, completions, reference, requests  # noqa: F401 - fixture
 
 from flagserve import EngineArgs, LLMEngine
+from tests.serve.conftest import free_port
 
 TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kv_engine(path: str, role: str, address: str) -> LLMEngine:
