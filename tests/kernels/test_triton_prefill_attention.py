@@ -1,4 +1,6 @@
 """Paged prefill / extend attention against the torch reference."""
+from dataclasses import replace
+
 import pytest
 import torch
 from kernel_cases import ATTN_TOL, DEVICE, DTYPES, check_prefill, make_paged_cache
@@ -121,9 +123,6 @@ def test_lazy_rescale_when_the_max_jumps(dtype):
     """The lazy rescale's both branches: the first tile (from -inf), later tiles whose max stays
     within 2**8 (stale max), and a block of large keys late in a prompt and in a cached prefix
     (a jump far past 2**8 mid-loop, for the causal and the mask-free phase)."""
-    from dataclasses import replace
-
-    from kernels.prefill_attention import paged_prefill_attention_torch
     batch = [(0, 100), (70, 30)]
     seq_lens = [c + n for c, n in batch]
     k_cache, v_cache, table = make_paged_cache(seq_lens, 16, NUM_KV_HEADS, 32, dtype, seed=3)
