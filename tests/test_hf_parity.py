@@ -52,6 +52,24 @@ def test_greedy_matches_transformers(arch, tiny_model_factory):
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == len(PROMPTS)
 
 
+def test_last_layer_tail_runs_on_sampled_rows_only(tiny_model_factory):
+    """A prefill row that samples nothing only needs its K/V from the last layer: its o_proj
+    and MLP run on the sampled rows alone, exactly as before, in mixed chunked steps too."""
+    path = tiny_model_factory("qwen3")
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=32, max_num_seqs=4)
+    layers = llm.llm_engine.executor.runner.model.layers
+    rows: dict[str, list[int]] = {"first": [], "last": []}
+    for name, layer in (("first", layers[0]), ("last", layers[-1])):
+        layer.mlp.register_forward_hook(lambda _m, args, _out, name=name: rows[name].append(len(args[0])))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, 8)
+    steps = list(zip(rows["first"], rows["last"]))
+    assert steps[0][0] == 32 and steps[0][1] < 32, steps  # a full chunk, fewer rows sampled
+    assert all(last <= first for first, last in steps), steps
+    assert sum(first for first, _ in steps) == sum(len(o.prompt_token_ids) for o in outs) + 4 * 7
+
+
 # The kernels see no difference between llama and mistral or qwen2 (biases, other configs):
 # llama (scaled RoPE) and qwen3 (q/k norm, head_dim apart from hidden / heads) cover them.
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -169,8 +169,10 @@ class ModelRunner:
         return batch
 
     def run_model(self, batch: PreparedBatch, hidden: torch.Tensor | None,
-                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward over `batch` (padded rows included): a graph replay where one exists."""
+                  residual: torch.Tensor | None, keep: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward over `batch` (padded rows included): a graph replay where one exists;
+        `keep` (unpadded batches): the rows of the last stage's output (DecoderForCausalLM)."""
         if batch.padded and hidden is not None:  # a later stage: into the static inputs
             n, rows = batch.num_tokens, batch.num_rows
             self.stage_inputs[0, :n].copy_(hidden)
@@ -178,7 +180,7 @@ class ModelRunner:
             hidden, residual = self.stage_inputs[0, :rows], self.stage_inputs[1, :rows]
         if batch.padded and self.graphs is not None:
             return self.graphs.replay(batch.num_rows)
-        return self.model(batch.input_ids, batch.positions, batch.meta, hidden, residual)
+        return self.model(batch.input_ids, batch.positions, batch.meta, hidden, residual, keep)
 
     def track_sequences(self, step: StepInput) -> None:
         for seq_id in step.finished_seq_ids:
@@ -219,7 +221,10 @@ class ModelRunner:
         if not par.is_first_stage:
             hidden, residual = recv_activations(step.num_tokens, self.cfg.hidden_size, self.dtype,
                                                 self.device, par.prev_rank)
-        hidden, residual = self.run_model(prepared, hidden, residual)
+        # Rows not sampled (a prefill chunk's but its last) skip the last layer's o_proj and MLP.
+        partial = 0 < len(step.sample_indices) < step.num_tokens
+        keep = prepared.logits_indices if partial and par.is_last_stage and not prepared.padded else None
+        hidden, residual = self.run_model(prepared, hidden, residual, keep)
         if not par.is_last_stage:
             n = step.num_tokens
             send_activations(hidden[:n], residual[:n], par.next_rank)
@@ -228,7 +233,9 @@ class ModelRunner:
         if not step.sample_indices:
             self.forward_seconds += time.perf_counter() - start
             return None
-        logits = self.model.compute_logits(hidden[prepared.logits_indices])  # None off TP rank 0
+        if keep is None:
+            hidden = hidden[prepared.logits_indices]
+        logits = self.model.compute_logits(hidden)  # None off TP rank 0
         if self.device.type == "cuda" and not defer:
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward
         self.forward_seconds += time.perf_counter() - start  # deferred: the launches only

@@ -40,7 +40,8 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -50,6 +51,8 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         # q/k norm (Qwen3), rotary and the KV-cache store run fused inside the attention layer.
         out = self.attn(q, k, v, meta, positions, self.rotary, self.q_norm, self.k_norm)
+        if keep is not None:
+            out = out[keep]
         return self.o_proj(out.flatten(1))
 
 
@@ -75,12 +78,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, keep: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """keep: the rows to return (all when None); the others still write their K/V."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(positions, x, meta, keep)
+        if keep is not None:
+            residual = residual[keep]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -115,15 +122,24 @@ class DecoderForCausalLM(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first stage starts from token ids, later ones from the previous stage's (hidden,
         residual). Returns the final normed hidden states (and None) on the last stage, else
-        (hidden, residual) for the next stage."""
+        (hidden, residual) for the next stage.
+
+        keep (last stage): the rows whose hidden states are returned, in its order. Only their
+        logits are wanted, and the other rows' last use is their K/V in the last layer, so that
+        layer's o_proj and MLP skip them: a prefill chunk's rows but its last (exact: every
+        row is computed alone)."""
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, meta,
+                                     keep if i == last and self.norm is not None else None)
+        if keep is not None and last < 0 and self.norm is not None:  # a stage without layers
+            hidden, residual = hidden[keep], residual[keep]
         if self.norm is None:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
