@@ -39,6 +39,16 @@ def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     assert alone != greedy(llm, 24).token_ids  # it really sampled
 
 
+def test_seeds_that_differ_above_bit_31_sample_differently(llm):
+    """The CPU generator keeps 32 bits of its seed: without the fold these were one stream."""
+    def tokens(seed):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True)
+        return one(llm, params).outputs[0].token_ids
+    base = tokens(5)
+    assert tokens(5) == base
+    assert tokens(5 + 2**32) != base and tokens(5 - 2**32) != base and tokens(5 + 2**40) != base
+
+
 def test_n_returns_n_distinct_samples(llm):
     out = one(llm, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True))
     assert [c.index for c in out.outputs] == [0, 1, 2]

@@ -20,7 +20,7 @@ from flagserve.engine.input_buffers import PreparedBatch, StepBuffers, bucket_fo
 from flagserve.engine.kv_budget import batched_tokens, capacity_blocks, graph_pool_bytes, kv_budget_bytes
 from flagserve.engine.sampling_inputs import SeqSampling, sampling_batch
 from flagserve.engine.step_input import StepInput
-from flagserve.layers.sampler import DeviceSamples, Sampler, SamplerOutput, SamplingBatch
+from flagserve.layers.sampler import DeviceSamples, Sampler, SamplerOutput, SamplingBatch, seeded_generator
 from flagserve.models.config import ModelConfig, auto_dtype
 from flagserve.models.loader import load_model
 from kernels import KernelOps, get_ops
@@ -188,8 +188,7 @@ class ModelRunner:
         for new in step.new_seqs:
             gen = None
             if new.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(new.seed)
+                gen = seeded_generator(new.seed, self.device)
                 if new.generator_state is not None:
                     gen.set_state(torch.frombuffer(bytearray(new.generator_state), dtype=torch.uint8))
             self.seqs[new.seq_id] = SeqSampling(new.params, new.prompt_token_ids or [], gen)

@@ -171,13 +171,23 @@ def _plain_greedy(batch: SamplingBatch) -> bool:
             and batch.presence_penalties is None and batch.frequency_penalties is None)
 
 
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator started from `seed`. The CPU one (mt19937) keeps only the low 32 bits of
+    its seed, which made 5 and 5 + 2**32 draw the same numbers: there the high half is
+    multiplied by an odd constant (a bijection) into the low one, so seeds that differ
+    only above bit 31 differ, and seeds below 2**32 keep their numbers."""
+    if device.type == "cpu":
+        bits = seed & (2**64 - 1)  # a negative seed as torch reads it
+        seed = (bits & 0xFFFFFFFF) ^ ((bits >> 32) * 0x9E3779B9 & 0xFFFFFFFF)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 class Sampler(nn.Module):
     def __init__(self, seed: int, device: torch.device, ops: KernelOps | None = None):
         super().__init__()
         self.apply_token_bitmask = ops.apply_token_bitmask if ops else apply_token_bitmask_torch
         self.argmax = ops.argmax if ops else argmax_torch
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.generator = seeded_generator(seed, device)
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return self.sample(logits, batch).host()
