@@ -158,7 +158,8 @@ def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torc
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.flagserve_cpu.silu_and_mul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+    out = torch.ops.flagserve_cpu.silu_and_mul(x.reshape(-1, x.shape[-1]))
+    return out.view(*x.shape[:-1], x.shape[-1] // 2)  # not -1: ambiguous for 0 rows
 
 
 def rotary_store_kvcache_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

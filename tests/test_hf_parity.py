@@ -52,12 +52,15 @@ def test_greedy_matches_transformers(arch, tiny_model_factory):
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == len(PROMPTS)
 
 
-def test_last_layer_tail_runs_on_sampled_rows_only(tiny_model_factory):
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_last_layer_tail_runs_on_sampled_rows_only(backend, tiny_model_factory):
     """A prefill row that samples nothing only needs its K/V from the last layer: its o_proj
-    and MLP run on the sampled rows alone, exactly as before, in mixed chunked steps too."""
+    and MLP run on the sampled rows alone (none in a chunk that ends no prompt), exactly as
+    before, in mixed chunked steps too."""
     path = tiny_model_factory("qwen3")
     # Eager: a replayed CUDA graph would not call the hooks that count the rows.
-    llm = LLM(path, dtype="float32", max_num_batched_tokens=32, max_num_seqs=4, enforce_eager=True)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=32, max_num_seqs=4, enforce_eager=True,
+              attention_backend=backend, enable_prefix_caching=False)  # the prompts run twice
     layers = llm.llm_engine.executor.runner.model.layers
     rows: dict[str, list[int]] = {"first": [], "last": []}
     for name, layer in (("first", layers[0]), ("last", layers[-1])):
@@ -69,6 +72,10 @@ def test_last_layer_tail_runs_on_sampled_rows_only(tiny_model_factory):
     assert steps[0][0] == 32 and steps[0][1] < 32, steps  # a full chunk, fewer rows sampled
     assert all(last <= first for first, last in steps), steps
     assert sum(first for first, _ in steps) == sum(len(o.prompt_token_ids) for o in outs) + 4 * 7
+    rows["first"].clear(), rows["last"].clear()
+    long = llm.generate(PROMPTS[3:], params, use_tqdm=False)[0]  # its first chunk samples nothing
+    assert long.outputs[0].token_ids == hf_greedy(path, PROMPTS[3:], 8)[0]
+    assert (rows["first"][0], rows["last"][0]) == (32, 0)
 
 
 # The kernels see no difference between llama and mistral or qwen2 (biases, other configs):

@@ -220,8 +220,9 @@ class ModelRunner:
         if not par.is_first_stage:
             hidden, residual = recv_activations(step.num_tokens, self.cfg.hidden_size, self.dtype,
                                                 self.device, par.prev_rank)
-        # Rows not sampled (a prefill chunk's but its last) skip the last layer's o_proj and MLP.
-        partial = 0 < len(step.sample_indices) < step.num_tokens
+        # Rows not sampled (a prefill chunk's but its last) skip the last layer's o_proj and MLP
+        # (all of them in a chunk that ends no prompt).
+        partial = len(step.sample_indices) < step.num_tokens
         keep = prepared.logits_indices if partial and par.is_last_stage and not prepared.padded else None
         hidden, residual = self.run_model(prepared, hidden, residual, keep)
         if not par.is_last_stage:

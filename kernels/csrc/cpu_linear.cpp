@@ -100,6 +100,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     b = bias->contiguous();
   }
   at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;  // chunk_rows would divide by zero
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;

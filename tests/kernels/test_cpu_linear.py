@@ -67,6 +67,13 @@ def test_long_inputs_in_row_chunks(threads):
     assert ((got.double() - exact).abs() <= bound).all()
 
 
+def test_no_rows_is_an_empty_output():
+    """The last layer's tail of a chunk that samples nothing has no rows (once a SIGFPE)."""
+    packed = cpu_native.pack_linear_weight(torch.randn(40, 16))
+    assert cpu_native.packed_linear(torch.empty(0, 16), packed, 40, torch.randn(40)).shape == (0, 40)
+    assert cpu_native.silu_and_mul_cpu(torch.empty(0, 32)).shape == (0, 16)
+
+
 def test_refuses_what_it_cannot_read():
     weight = torch.randn(40, 16)
     packed = cpu_native.pack_linear_weight(weight)
