@@ -128,18 +128,15 @@ class DecoderForCausalLM(nn.Module):
         residual). Returns the final normed hidden states (and None) on the last stage, else
         (hidden, residual) for the next stage.
 
-        keep (last stage): the rows whose hidden states are returned, in its order. Only their
-        logits are wanted, and the other rows' last use is their K/V in the last layer, so that
-        layer's o_proj and MLP skip them: a prefill chunk's rows but its last (exact: every
-        row is computed alone)."""
+        keep (the last stage only; every stage has a layer, EngineArgs checks): the rows whose
+        hidden states are returned, in its order. Only their logits are wanted, and the other
+        rows' last use is their K/V in the last layer, so that layer's o_proj and MLP skip them:
+        a prefill chunk's rows but its last (exact: every row is computed alone)."""
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, meta,
-                                     keep if i == last and self.norm is not None else None)
-        if keep is not None and last < 0 and self.norm is not None:  # a stage without layers
-            hidden, residual = hidden[keep], residual[keep]
+            hidden, residual = layer(positions, hidden, residual, meta, keep if i == last else None)
         if self.norm is None:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
