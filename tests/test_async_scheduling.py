@@ -82,17 +82,22 @@ def test_sequences_that_end_while_the_next_step_runs(llama_path, prompts):
     assert llm.llm_engine.block_manager.num_free_blocks == 64
 
 
-def test_grammars_and_penalties_run_step_by_step_beside_the_rest(llama_path, prompts):
+def test_grammars_penalties_and_prompt_scores_run_step_by_step_beside_the_rest(llama_path, prompts):
     pytest.importorskip("xgrammar")  # absent on the lent GPU machine's image
     plain = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in range(4)]
     penalized = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                 repetition_penalty=1.3, frequency_penalty=0.4) for _ in range(2)]
+    scored = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)] * 2
     constrained = [SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(
         choice=["alpha", "beta", "gamma delta"])) for _ in range(2)]
-    params = plain + penalized + constrained
-    sync, overlapped, _ = both(llama_path, prompts[:len(params)], params)
+    params = plain + penalized + scored + constrained
+    sync, overlapped, _ = both(llama_path, prompts[:len(params)], params, max_num_batched_tokens=32)
     assert completions(overlapped) == completions(sync)
     assert all(o.outputs[0].text in ("alpha", "beta", "gamma delta") for o in overlapped[-2:])
+    for a, b in zip(sync[6:8], overlapped[6:8]):
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        assert [e and {t: lp.rank for t, lp in e.items()} for e in b.prompt_logprobs] == \
+            [e and {t: lp.rank for t, lp in e.items()} for e in a.prompt_logprobs]
 
 
 def test_deltas_and_aborts(llama_path, prompts):

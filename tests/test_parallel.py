@@ -22,7 +22,9 @@ HOST = "10.250.0.9"  # a host label the module's one-node cluster advertises
 GRAMMAR_REGEX = "[a-k]{4,12}[.]"
 ENGINE = dict(dtype="float32", attention_backend="torch", max_model_len=128,
               max_num_batched_tokens=32)
-PARAMS = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 5 + [
+PARAMS = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 4 + [
+    # Its prompt rows' logits come from the LM head of every TP rank, gathered on the first.
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2),
     SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True),
     SamplingParams(temperature=0.8, top_k=20, n=2, seed=3, max_tokens=20, ignore_eos=True),
     SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5, min_tokens=5,
@@ -51,7 +53,8 @@ def reference(tiny_model_factory):
         if arch not in cache:
             llm = LLM(tiny_model_factory(arch), **ENGINE)
             prompts = prompt_set(llm.get_tokenizer(), len(PARAMS), seed=3, max_len=70)
-            cache[arch] = prompts, completions(llm.generate(prompts, PARAMS, use_tqdm=False))
+            outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+            cache[arch] = prompts, completions(outputs), prompt_scores(outputs)
         return cache[arch]
 
     return get
@@ -61,11 +64,17 @@ def completions(outputs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
+def prompt_scores(outputs) -> list[list[tuple[int, float, int]]]:
+    """(token, logprob, rank) of every prompt_logprobs entry, the first prompt token's None left out."""
+    return [[(t, lp.logprob, lp.rank) for entry in o.prompt_logprobs[1:] for t, lp in entry.items()]
+            for o in outputs if o.prompt_logprobs is not None]
+
+
 # Each layout once (2 cores run them all): llama by heads, qwen3 (q/k norm, head_dim apart
 # from hidden / heads) by layers and by both, the last with preemption.
 @pytest.mark.parametrize("arch,tp,pp", [("llama", 2, 1), ("qwen3", 1, 2), ("qwen3", 2, 2)])
 def test_shards_match_single_process(arch, tp, pp, tiny_model_factory, reference):
-    prompts, expected = reference(arch)
+    prompts, expected, expected_scores = reference(arch)
     preempt = tp * pp == 4
     extra = dict(num_kv_blocks=14) if preempt else {}
     if pp == 2 and tp == 1:
@@ -75,6 +84,9 @@ def test_shards_match_single_process(arch, tp, pp, tiny_model_factory, reference
     try:
         outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
         assert completions(outputs) == expected
+        got, want = (sum(prompt_scores(outputs), []), sum(expected_scores, []))
+        assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in want] and got
+        assert all(abs(a[1] - b[1]) < 1e-4 for a, b in zip(got, want))
         assert re.fullmatch(GRAMMAR_REGEX, outputs[-1].outputs[0].text)
         stats = llm.llm_engine.get_stats()
         assert stats.forward_seconds > 0
@@ -91,7 +103,7 @@ def test_idle_cpu_shards_stop_spinning_and_step_again(llama_path, reference, mon
     gives the same tokens."""
     from flagserve.engine import ray_executor
     monkeypatch.setattr(ray_executor, "IDLE_TEARDOWN_S", 0.5)
-    prompts, expected = reference("llama")
+    prompts, expected, _ = reference("llama")
     llm = LLM(llama_path, pipeline_parallel_size=2, placement_hosts=[HOST, HOST], **ENGINE)
     try:
         executor = llm.llm_engine.executor

@@ -66,8 +66,9 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading tokens. At least one token is always left to
-        compute, since the step that samples the next token needs its logits."""
-        if not self.enable_prefix_caching:
+        compute, since the step that samples the next token needs its logits. None for a
+        sequence that scores its prompt (prompt_logprobs): those rows' logits are wanted too."""
+        if not self.enable_prefix_caching or seq.scores_prompt:
             return []
         hits: list[int] = []
         parent_hash, parent_uid = 0, 0

@@ -4,6 +4,7 @@ The offline `LLM` loops over step(); the server drives the same loop from an asy
 """
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from flagserve.engine.block_manager import BlockManager
@@ -16,14 +17,22 @@ from flagserve.engine.kv_transfer.handoff import RequestHandoff
 from flagserve.engine.kv_transfer.link import link_engine
 from flagserve.engine.kv_transfer.transport import KVEndpoint, TransferStats
 from flagserve.engine.model_runner import resolve_device
-from flagserve.engine.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
+from flagserve.engine.outputs import (
+    CompletionOutput,
+    FinishReason,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    logprob_entry,
+)
+from flagserve.engine.prompt_logprobs import record_prompt_scores
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from flagserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from flagserve.engine.sequence import Sequence, SequenceStatus
 from flagserve.engine.stats import EngineStats
 from flagserve.engine.step_input import StepInputBuilder
 from flagserve.engine.structured_outputs.matchers import Advance, StructuredOutputs
-from flagserve.layers.sampler import DeviceSamples, SamplerOutput
+from flagserve.layers.sampler import DeviceSamples, PromptScores, SamplerOutput
 from flagserve.models.config import load_model_config
 from flagserve.models.tokenizer import load_tokenizer
 
@@ -51,6 +60,7 @@ class RequestState:
     sent_tokens: list[int]
     error: str | None = None  # the engine ended it (a failed KV transfer)
     hold: int = 0  # characters held back: they may turn out to be the start of a stop string
+    sent_prompt_logprobs: bool = False  # DELTA outputs: the one that carried them went out
 
     @property
     def finished(self) -> bool:
@@ -127,6 +137,8 @@ class LLMEngine:
         seqs = [Sequence(request_id, i, list(ids), len(ids), params, arrival,
                          None if params.seed is None else child_seed(params.seed, i))
                 for i in range(params.n)]
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_logprobs = [None]
         self.new_request_state(request_id, text, ids, params, seqs, RequestMetrics(arrival))
         if params.structured_outputs is not None:
             self.structured.hold(request_id, seqs)  # scheduled once its grammar is compiled
@@ -237,18 +249,23 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch) -> list[str]:
         """Run the batch; the requests with new tokens. With async scheduling the step is
         queued on the device and the step before it lands (its tokens appended and checked)
-        while it runs, unless the step samples with a grammar or penalties: those need every
-        token on the host, so it runs through (the step before landing first)."""
+        while it runs, unless the step samples with a grammar or penalties (those need every
+        token on the host) or scores a prompt: it runs through (the step before landing first)."""
         step = self.step_inputs.build(batch)
         sampled = [batch.seqs[i] for i in step.sample_indices]
         step.token_bitmask = self.structured.bitmask(sampled)
-        overlap = self.async_scheduling and step.token_bitmask is None and step.output_token_ids is None
+        overlap = (self.async_scheduling and step.token_bitmask is None and step.output_token_ids is None
+                   and not step.prompt_rows)
         samples = self.executor.launch(step) if overlap else self.executor.execute(step)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         touched = self._land()
         if samples is None:
             return touched
+        if not overlap and samples.prompt_scores:
+            self._record_prompt_scores(batch.seqs, samples.prompt_scores)
+            if not sampled:  # a chunk that scored its prompt and ends none
+                return touched
         if overlap:
             for seq in sampled:
                 seq.num_pending += 1
@@ -334,18 +351,24 @@ class LLMEngine:
         elif grammar == "terminated" and seq.finish_reason is None:
             seq.finish_reason = FinishReason.STOP  # complete (ignore_eos, or a stop token id)
 
+    def _decoder(self, params: SamplingParams) -> Callable[[int], str | None]:
+        """A logprob entry's decoded_token."""
+        return (lambda tid: self.tokenizer.decode([tid])) if params.detokenize else (lambda _: None)
+
     def _record_logprobs(self, seq: Sequence, row: int, out: SamplerOutput) -> None:
-        token = out.token_ids[row]
         seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + out.logprobs[row]
-        text = self.tokenizer.decode if seq.params.detokenize else lambda _: None
-        entry = {token: Logprob(out.logprobs[row], out.ranks[row], text([token]))}
-        if out.top_token_ids is not None:
-            for rank, (tid, lp) in enumerate(zip(out.top_token_ids[row][:seq.params.logprobs],
-                                                 out.top_logprobs[row]), start=1):
-                entry.setdefault(tid, Logprob(lp, rank, text([tid])))
+        tops = None if out.top_token_ids is None else (out.top_token_ids[row][:seq.params.logprobs],
+                                                       out.top_logprobs[row])
         if seq.logprobs is None:
             seq.logprobs = []
-        seq.logprobs.append(entry)
+        seq.logprobs.append(logprob_entry(out.token_ids[row], out.logprobs[row], out.ranks[row], tops,
+                                          self._decoder(seq.params)))
+
+    def _record_prompt_scores(self, seqs: list[Sequence], scores: list[PromptScores]) -> None:
+        by_id = {seq.seq_id: seq for seq in seqs}
+        for s in scores:
+            seq = by_id[s.seq_id]
+            record_prompt_scores(seq, s, self._decoder(seq.params))
 
     def check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> None:
         p = seq.params
@@ -381,7 +404,17 @@ class LLMEngine:
                        for seq, detok in zip(state.seqs, state.detokenizers)]
         metrics.num_cached_tokens = max(s.num_cached_tokens for s in state.seqs)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, metrics, metrics.num_cached_tokens, state.error)
+                             finished, metrics, metrics.num_cached_tokens, state.error,
+                             self._prompt_logprobs(state, kind))
+
+    @staticmethod
+    def _prompt_logprobs(state: RequestState, kind: RequestOutputKind) -> PromptLogprobs | None:
+        """Once every prompt token is scored; DELTA outputs carry it once."""
+        scored = state.seqs[0].prompt_logprobs
+        if scored is None or len(scored) < len(state.prompt_token_ids) or state.sent_prompt_logprobs:
+            return None
+        state.sent_prompt_logprobs = kind == RequestOutputKind.DELTA
+        return list(scored)
 
     @staticmethod
     def _completion(state: RequestState, seq: Sequence, detok: IncrementalDetokenizer,

@@ -18,6 +18,7 @@ from flagserve.engine.cpu_threads import ThreadTuner, tuning_enabled
 from flagserve.engine.engine_args import Dtype, EngineArgs
 from flagserve.engine.input_buffers import PreparedBatch, StepBuffers, bucket_for, decode_buckets
 from flagserve.engine.kv_budget import batched_tokens, capacity_blocks, graph_pool_bytes, kv_budget_bytes
+from flagserve.engine.prompt_logprobs import score_prompt_rows
 from flagserve.engine.sampling_inputs import SeqSampling, sampling_batch
 from flagserve.engine.step_input import StepInput
 from flagserve.layers.sampler import DeviceSamples, Sampler, SamplerOutput, SamplingBatch, seeded_generator
@@ -221,8 +222,8 @@ class ModelRunner:
             hidden, residual = recv_activations(step.num_tokens, self.cfg.hidden_size, self.dtype,
                                                 self.device, par.prev_rank)
         # Rows not sampled (a prefill chunk's but its last) skip the last layer's o_proj and MLP
-        # (all of them in a chunk that ends no prompt).
-        partial = len(step.sample_indices) < step.num_tokens
+        # (all of them in a chunk that ends no prompt), unless they score a prompt.
+        partial = len(step.sample_indices) < step.num_tokens and not step.prompt_rows
         keep = prepared.logits_indices if partial and par.is_last_stage and not prepared.padded else None
         hidden, residual = self.run_model(prepared, hidden, residual, keep)
         if not par.is_last_stage:
@@ -230,9 +231,13 @@ class ModelRunner:
             send_activations(hidden[:n], residual[:n], par.next_rank)
             self.forward_seconds += time.perf_counter() - start
             return None
+        scores = None  # the engine never defers a step that scores (async scheduling)
+        if step.prompt_rows:
+            scores = score_prompt_rows(hidden, step.prompt_rows, self.model.compute_logits,
+                                       self.cfg.vocab_size)
         if not step.sample_indices:
             self.forward_seconds += time.perf_counter() - start
-            return None
+            return None if scores is None else SamplerOutput([], None, None, None, None, scores)
         if keep is None:
             hidden = hidden[prepared.logits_indices]
         logits = self.model.compute_logits(hidden)  # None off TP rank 0
@@ -243,6 +248,8 @@ class ModelRunner:
             return None
         samples = self.sampler.sample(logits, self.sampling_batch(step))
         if not defer:
-            return samples.host()
+            out = samples.host()
+            out.prompt_scores = scores
+            return out
         self.last_samples = samples.tokens
         return samples.start_copy()

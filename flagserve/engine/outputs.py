@@ -1,4 +1,5 @@
 """What generate() and LLMEngine.step() return, shaped like vLLM's outputs."""
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -22,8 +23,21 @@ class Logprob:
     decoded_token: str | None = None
 
 
+def logprob_entry(token: int, logprob: float, rank: int, tops: tuple[list[int], list[float]] | None,
+                  decode: Callable[[int], str | None]) -> dict[int, Logprob]:
+    """One token's entry: its own Logprob, then the top alternatives (ranks 1..) not already in."""
+    entry = {token: Logprob(logprob, rank, decode(token))}
+    if tops is not None:
+        for top_rank, (tid, lp) in enumerate(zip(*tops), start=1):
+            entry.setdefault(tid, Logprob(lp, top_rank, decode(tid)))
+    return entry
+
+
 # One dict per generated token: the sampled token and the top-N alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# One per prompt token, as vLLM: None for the first (nothing scores it), then the token's own
+# entry and the top-N alternatives of the distribution that predicted it.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -57,6 +71,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # why the engine ended the request itself (a failed KV transfer)
+    # SamplingParams.prompt_logprobs: complete, from the output that has the first token on
+    # (DELTA outputs: that one output only); None before, and when not asked for.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def merge_completion(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:

@@ -59,6 +59,9 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Per prompt token: its logprob and the top-N alternatives (vLLM's; scoring, lm-eval). The
+    # prompt's rows are computed then, never read from the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # False (vLLM's): token ids only, no text (completions' text and logprobs' decoded_token
     # stay empty); for benchmarks of random weights, whose token soup says nothing. No stop
@@ -123,8 +126,10 @@ class SamplingParams:
                  f"must be an integer in [0, {INT32_MAX}], got {self.min_tokens!r}")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _require(self.logprobs is None or _is_int(self.logprobs), "logprobs",
-                 f"must be None or an integer in [0, {INT32_MAX}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or _is_int(value), name,
+                     f"must be None or an integer in [0, {INT32_MAX}], got {value!r}")
 
     def _check_stops(self) -> None:
         if self.stop is None:
@@ -156,8 +161,10 @@ class SamplingParams:
         bad = [t for t in self.logit_bias or () if t >= vocab_size]
         _require(not bad, "logit_bias", f"token ids must be < the vocabulary size {vocab_size}, "
                  f"got {bad[:5]}")
-        _require(self.logprobs is None or self.logprobs <= vocab_size, "logprobs",
-                 f"must be <= the vocabulary size {vocab_size}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or value <= vocab_size, name,
+                     f"must be <= the vocabulary size {vocab_size}, got {value}")
 
     @property
     def greedy(self) -> bool:

@@ -3,7 +3,7 @@ import enum
 from dataclasses import dataclass, field
 from itertools import count
 
-from flagserve.engine.outputs import FinishReason, SampleLogprobs
+from flagserve.engine.outputs import FinishReason, PromptLogprobs, SampleLogprobs
 from flagserve.engine.sampling_params import SamplingParams
 
 
@@ -41,6 +41,9 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     cumulative_logprob: float | None = None  # tracked when the request asks for logprobs
     logprobs: SampleLogprobs | None = None
+    # The request's first sequence, when it asks for prompt_logprobs: [None] plus one entry
+    # per prompt token scored so far (prompt_logprobs.py).
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
@@ -56,6 +59,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt tokens still to score: their rows must be computed, not found cached."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from flagserve.engine.prompt_logprobs import PromptRows, prompt_rows
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.scheduler import ScheduledBatch
 from flagserve.engine.sequence import Sequence
@@ -51,6 +52,8 @@ class StepInput:
     # places in token_ids (which hold 0 there) and their rows among that step's samples.
     pending_positions: list[int] = field(default_factory=list)
     pending_rows: list[int] = field(default_factory=list)
+    # Prefill rows whose logits score the prompt's next tokens (prompt_logprobs)
+    prompt_rows: list[PromptRows] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +100,8 @@ class StepInputBuilder:
                 sample_indices.append(i)
                 step.num_output_tokens.append(start + n - seq.num_prompt_tokens)
                 penalties = penalties or penalized
+            if seq.prompt_logprobs is not None and (rows := prompt_rows(seq, start, n, len(token_ids))):
+                step.prompt_rows.append(rows)
             if seq.num_pending and start + n > len(seq.token_ids):
                 self._pending_token(step, seq, start, n)
             elif n == 1:

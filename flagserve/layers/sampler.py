@@ -37,19 +37,43 @@ class SamplingBatch:
 
 
 @dataclass
+class PromptScores:
+    """prompt_logprobs of one sequence's rows in a step: how the model scored its next prompt
+    tokens (the logits of position p score token p + 1)."""
+    seq_id: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None  # of each sampled token, when logprobs were asked for
     ranks: list[int] | None  # of each sampled token, when logprobs were asked for
     top_token_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+    prompt_scores: list[PromptScores] | None = None  # rows that score the prompt, not sampled
 
     def select(self, rows: list[int]) -> "SamplerOutput":
         """These rows only, in this order."""
         def pick(values: list | None) -> list | None:
             return None if values is None else [values[i] for i in rows]
         return SamplerOutput(pick(self.token_ids), pick(self.logprobs), pick(self.ranks),
-                             pick(self.top_token_ids), pick(self.top_logprobs))
+                             pick(self.top_token_ids), pick(self.top_logprobs), self.prompt_scores)
+
+
+def logprobs_of(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per row: the logprob of its token, that token's rank (1 = the most likely) and, when
+    num_top > 0, the top num_top (ids, logprobs)."""
+    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+    ranks = (raw_logprobs > chosen[:, None]).sum(-1) + 1
+    if num_top <= 0:
+        return chosen, ranks, None, None
+    top = raw_logprobs.topk(num_top, dim=-1)
+    return chosen, ranks, top.indices, top.values
 
 
 @dataclass
@@ -216,9 +240,4 @@ class Sampler(nn.Module):
             tokens = torch.where(batch.temperatures == 0, tokens, sampled)
         if not want_logprobs:
             return DeviceSamples(tokens)
-        sampled_lp = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        ranks = (raw_logprobs > sampled_lp[:, None]).sum(-1) + 1
-        if batch.max_num_logprobs <= 0:
-            return DeviceSamples(tokens, sampled_lp, ranks)
-        top = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)
-        return DeviceSamples(tokens, sampled_lp, ranks, top.indices, top.values)
+        return DeviceSamples(tokens, *logprobs_of(raw_logprobs, tokens, batch.max_num_logprobs))

@@ -136,4 +136,5 @@ def _in_replica() -> bool:
 
 
 def chunk_of(out: RequestOutput) -> EngineChunk:
-    return EngineChunk(out.outputs, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
+    return EngineChunk(out.outputs, len(out.prompt_token_ids), out.num_cached_tokens, out.finished,
+                       out.prompt_logprobs)

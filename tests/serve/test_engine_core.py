@@ -139,7 +139,7 @@ def test_wire_round_trips_every_field():
     lp = [{7: Logprob(-0.5, 1, "a"), 9: Logprob(-1.5, 2, None)}]
     completion = CompletionOutput(1, "text", [7, 8], -2.0, lp, "stop", "</s>")
     out = RequestOutput("r1", "prompt", [1, 2, 3], [completion, CompletionOutput(0, "", [], None, None)],
-                        True, filled(RequestMetrics), 3, "KV transfer failed")
+                        True, filled(RequestMetrics), 3, "KV transfer failed", [None, *lp])
     stats = filled(EngineStats)
     handoff = filled(RequestHandoff, params=SamplingParams(seed=3), seqs=[], layout=filled(KVLayout))
     result = StepResult([out], stats, 123.5, [("bad", ValueError("too long"))], [handoff])

@@ -17,14 +17,21 @@ import pickle
 from typing import Any
 
 from flagserve.engine.core.loop import StepResult
-from flagserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from flagserve.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from flagserve.engine.stats import EngineStats
 
 
-def _logprobs(lps: list[dict[int, Logprob]] | None) -> list[dict[int, tuple]] | None:
+def _logprobs(lps: PromptLogprobs | None) -> list[dict[int, tuple] | None] | None:
     if lps is None:
         return None
-    return [{t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in d.items()} for d in lps]
+    return [None if d is None else {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in d.items()}
+            for d in lps]
+
+
+def _from_logprobs(lps: list[dict[int, tuple] | None] | None) -> PromptLogprobs | None:
+    if lps is None:
+        return None
+    return [None if d is None else {t: Logprob(*v) for t, v in d.items()} for d in lps]
 
 
 def _completion(c: CompletionOutput) -> tuple:
@@ -38,7 +45,7 @@ def _request(o: RequestOutput, with_prompt: bool) -> tuple:
                                       m.last_token_time, m.finished_time, m.num_cached_tokens)
     prompt = (o.prompt, o.prompt_token_ids) if with_prompt else None
     return (o.request_id, prompt, [_completion(c) for c in o.outputs], o.finished, metrics,
-            o.num_cached_tokens, o.error)
+            o.num_cached_tokens, o.error, _logprobs(o.prompt_logprobs))
 
 
 def _stats(s: EngineStats) -> tuple:
@@ -87,7 +94,7 @@ class Decoder:
                           handoffs)
 
     def _request(self, request_id, prompt, outputs, finished, metrics, num_cached_tokens,
-                 error) -> RequestOutput:
+                 error, prompt_logprobs) -> RequestOutput:
         if prompt is not None and not finished:
             self._prompts[request_id] = prompt
         elif prompt is None:
@@ -96,9 +103,8 @@ class Decoder:
             prompt = (self._prompts.pop if finished else self._prompts.get)(request_id, (None, []))
         completions = []
         for index, text, token_ids, cumulative, lps, finish, stop in outputs:
-            if lps is not None:
-                lps = [{t: Logprob(*v) for t, v in d.items()} for d in lps]
-            completions.append(CompletionOutput(index, text, token_ids, cumulative, lps, finish, stop))
+            completions.append(CompletionOutput(index, text, token_ids, cumulative, _from_logprobs(lps),
+                                                finish, stop))
         return RequestOutput(request_id, *prompt, completions, finished,
                              None if metrics is None else RequestMetrics(*metrics), num_cached_tokens,
-                             error)
+                             error, _from_logprobs(prompt_logprobs))

@@ -22,6 +22,9 @@ def check_handoff_params(params: SamplingParams) -> None:
     if params.structured_outputs is not None:  # the decode side would need the matcher's state
         raise ValueError("structured_outputs are not supported with prefill/decode "
                          "disaggregation yet; send the request to an aggregated engine")
+    if params.prompt_logprobs is not None:  # scored on the prefill side, never handed over
+        raise ValueError("prompt_logprobs are not supported with prefill/decode disaggregation "
+                         "yet; send the request to an aggregated engine")
 
 
 class KVExports:

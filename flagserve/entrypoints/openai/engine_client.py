@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flagserve.engine.outputs import CompletionOutput
+from flagserve.engine.outputs import CompletionOutput, PromptLogprobs
 from flagserve.engine.sampling_params import SamplingParams
 
 
@@ -29,6 +29,7 @@ class EngineChunk:
     num_prompt_tokens: int
     num_cached_tokens: int
     finished: bool
+    prompt_logprobs: PromptLogprobs | None = None  # params.prompt_logprobs: in one chunk, whole
 
 
 @dataclass
