@@ -92,4 +92,5 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
             for c in b.outputs]
     outs.extend(by_index.values())
     outs.sort(key=lambda c: c.index)
-    return replace(b, outputs=outs)
+    # A DELTA stream carries prompt_logprobs once: keep them from whichever delta had them.
+    return replace(b, outputs=outs, prompt_logprobs=b.prompt_logprobs or a.prompt_logprobs)

@@ -20,3 +20,6 @@ class TokenizerDeployment:
                           describe_tools: bool = False) -> list[int]:
         return await self.tokenizer.encode_chat_async(messages, add_generation_prompt,
                                                       template_kwargs, max_tokens, describe_tools)
+
+    async def decode(self, prompts: list[list[int]]) -> list[str]:
+        return await self.tokenizer.decode_async(prompts)

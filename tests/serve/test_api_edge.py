@@ -150,6 +150,9 @@ BAD = [  # route, body, the param named
     ("/v1/completions", {"prompt": "word " * 200_000}, "prompt"),  # refused untokenized
     ("/v1/completions", {"prompt": list(range(5)) * 10_000}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2**40}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": -1},
+     "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100.5}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 5}}, "logit_bias"),
@@ -309,7 +312,7 @@ WEIRD = _weird()
 FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
           "max_tokens", "logprobs", "stream", "stream_options", "skip_special_tokens", "model",
-          "include_stop_str_in_output", "best_of", "echo", "user", "logit_bias"]
+          "include_stop_str_in_output", "best_of", "echo", "user", "logit_bias", "prompt_logprobs"]
 CHAT_FIELDS = ["max_completion_tokens", "top_logprobs", "add_generation_prompt", "tools", "tool_choice",
                "parallel_tool_calls",
                "chat_template_kwargs"]

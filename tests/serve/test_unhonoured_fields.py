@@ -80,11 +80,12 @@ CLIENT_CALLS = [
         stop=["x"], seed=1, presence_penalty=0.1, frequency_penalty=0.1, logprobs=True,
         top_logprobs=2, user="u", metadata={"a": "b"}, store=False, tools=TOOLS,
         tool_choice="required", parallel_tool_calls=False, stream=True,
-        stream_options={"include_usage": True}, extra_body={"top_k": 5, "min_p": 0.1})),
+        stream_options={"include_usage": True},
+        extra_body={"top_k": 5, "min_p": 0.1, "prompt_logprobs": 1})),
     (ChatCompletionRequest, lambda c: c.chat.completions.parse(
         model="m", messages=MESSAGES, response_format={"type": "json_object"})),
     (CompletionRequest, lambda c: c.completions.create(
-        model="m", prompt="hi", max_tokens=3, logprobs=2, echo=False, stop="x", seed=2, user="u")),
+        model="m", prompt="hi", max_tokens=3, logprobs=2, echo=True, stop="x", seed=2, user="u")),
 ]
 
 
@@ -94,7 +95,7 @@ def test_what_the_official_client_sends_parses(model, call):
     parse_request(model, body)
 
 
-COMPLETION_REFUSED = [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
+COMPLETION_REFUSED = [({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
                       ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of")]
 
 
@@ -106,6 +107,7 @@ def test_completion_fields_that_cannot_be_honoured_are_400_naming_them(extra, pa
     assert (err.value.status, err.value.param) == (400, param)
 
 
-def test_best_of_equal_to_n_is_what_happens_anyway():
-    for extra in ({"best_of": 1}, {"n": 3, "best_of": 3}, {"echo": False, "suffix": "", "logit_bias": {}}):
+def test_best_of_equal_to_n_and_echo_are_served():
+    for extra in ({"best_of": 1}, {"n": 3, "best_of": 3}, {"echo": False, "suffix": "", "logit_bias": {}},
+                  {"echo": True, "logprobs": 1, "prompt_logprobs": 2}):
         check_completion(parse_request(CompletionRequest, {"prompt": "hi", **extra}))

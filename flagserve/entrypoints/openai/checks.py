@@ -19,12 +19,12 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 def check_completion(req: Any) -> None:
     # best_of == n is sampling n and returning them all, which is what happens anyway; a
     # best_of of 0 is refused by name too (its value is falsy).
-    refused = {"echo": req.echo, "suffix": req.suffix, "best_of": req.best_of not in (None, req.n)}
+    refused = {"suffix": req.suffix, "best_of": req.best_of not in (None, req.n)}
     name = next((k for k, asked in refused.items() if asked), None)
     if name is not None:
         raise OpenAIError(400, f"{name} is not supported", name)
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise OpenAIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    _check_count(req.logprobs, "logprobs")
+    _check_count(req.prompt_logprobs, "prompt_logprobs")
 
 
 def check_chat(req: Any) -> int | None:
@@ -33,9 +33,16 @@ def check_chat(req: Any) -> int | None:
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        _check_count(req.top_logprobs, "top_logprobs")
+    _check_count(req.prompt_logprobs, "prompt_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _check_count(value: int | None, field: str) -> None:
+    """A number of top alternatives per token: the engine's bound is the vocabulary, the API's
+    vLLM's default max_logprobs (each one is a dict entry per token in the response)."""
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise OpenAIError(400, f"{field} must be in [0, {MAX_LOGPROBS}]", field)
 
 
 def check_list_lengths(body: dict[str, Any], limits: ApiLimits, max_model_len: int) -> None:

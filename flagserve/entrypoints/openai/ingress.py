@@ -48,7 +48,7 @@ from flagserve.entrypoints.openai.engine_client import (
 from flagserve.entrypoints.openai.errors import OpenAIError, error_message
 from flagserve.entrypoints.openai.http_server import DirectHTTPServer
 from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from flagserve.entrypoints.openai.responses import ChatFormat, CompletionFormat, Header, sse_response
+from flagserve.entrypoints.openai.responses import ChatFormat, CompletionFormat, Echo, Header, sse_response
 from flagserve.entrypoints.openai.streams import batches, cancel_on_close, prepend
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 from flagserve.entrypoints.openai.tool_output import ToolOutput
@@ -173,6 +173,20 @@ class OpenAIIngress:
         except ValueError as err:
             raise OpenAIError(400, error_message(err), "prompt") from None
 
+    async def _echoes(self, route: ModelRoute, prompts: list, token_ids: list[list[int]]
+                      ) -> list[Echo]:
+        """What `echo` writes before each prompt's choices: a string prompt as given, token ids
+        decoded; with each first token's text, which no logprob entry carries. One decode call
+        for all: one hop when the route has a tokenizer deployment."""
+        asked = [p for p in prompts if not isinstance(p, str)] + [ids[:1] for ids in token_ids]
+        if route.tokenizer is None:
+            decoded = await self.tokenizers[route.module_id].decode_async(asked)
+        else:
+            decoded = await route.tokenizer.decode.remote(asked)
+        texts, firsts = iter(decoded[:-len(token_ids)]), decoded[-len(token_ids):]
+        return [Echo(p if isinstance(p, str) else next(texts), ids, first)
+                for p, ids, first in zip(prompts, token_ids, firsts)]
+
     async def _encode_chat(self, route: ModelRoute, req: Any, info: ModelInfo) -> list[int]:
         messages = [template_message(m.model_dump(exclude_none=True)) for m in req.messages]
         tools = req.template_tools()
@@ -262,6 +276,7 @@ class OpenAIIngress:
         check_limits(req, self.limits, len(prompts))
         self._sampling(req, req.max_tokens, req.logprobs, info)  # every value, before tokenizing
         token_ids = await self._encode_prompts(route, prompts, info)
+        echoes = await self._echoes(route, prompts, token_ids) if req.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
         header = Header(rid, req.model or route.names[0])
         requests = []
@@ -270,7 +285,7 @@ class OpenAIIngress:
             params = self._sampling(req, max_tokens, req.logprobs, info)
             requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.stream, time.time()))
         stream = await self._start(route, requests)
-        fmt = CompletionFormat(header, req.n, req.logprobs)
+        fmt = CompletionFormat(header, req.n, req.logprobs, echoes)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(fmt.stream(stream, include_usage))

@@ -54,6 +54,13 @@ class _Request(OutputNeutral):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # vLLM's: per prompt token, its logprob and the top-N alternatives (scoring, lm-eval)
+    prompt_logprobs: StrictInt | None = None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: what the engine must score of the prompt."""
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the SamplingParams field when a value is out of range."""
@@ -66,7 +73,8 @@ class _Request(OutputNeutral):
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=self.engine_prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.output_constraint(), logit_bias=token_bias(self.logit_bias),
             **optional)
 
@@ -106,6 +114,14 @@ class CompletionRequest(_Request):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """vLLM's rule: echo with logprobs scores the echoed prompt as deeply as the output,
+        unless prompt_logprobs says otherwise."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     @property
     def max_tokens_field(self) -> str:

@@ -9,14 +9,20 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from flagserve.engine.core.loop import EngineDeadError
-from flagserve.engine.outputs import CompletionOutput, SampleLogprobs, merge_completion
+from flagserve.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    SampleLogprobs,
+    merge_completion,
+)
 from flagserve.entrypoints.openai.engine_client import EngineChunk
 from flagserve.entrypoints.openai.errors import OpenAIError, engine_dead_message, error_message
 from flagserve.entrypoints.openai.tool_output import ToolOutput, full_message, stream_step
@@ -53,29 +59,55 @@ class Header:
                 "choices": choices, **extra}
 
 
+@dataclass
+class Echo:
+    """A prompt as completions' `echo` writes it before each of its choices."""
+    text: str  # the prompt string as given, or a token-id prompt decoded
+    token_ids: list[int]
+    first_token: str  # the first token's text: no logprob entry carries it (nothing scores it)
+
+
 # Completions (legacy) logprobs: parallel lists.
 @dataclass
 class CompletionLogprobs:
     tokens: list[str] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
-    def add(self, entries: SampleLogprobs, token_ids: list[int], offset: int, top_n: int) -> None:
+    def add(self, entries: Sequence[dict[int, Logprob] | None], token_ids: list[int], offset: int,
+            top_n: int, first_token: str = "") -> int:
+        """`entries` per token; None (a prompt's first token) lists `first_token` with null
+        logprobs, as vLLM. Returns the offset after the last token."""
         for tid, entry in zip(token_ids, entries):
-            chosen = entry[tid]
-            text = chosen.decoded_token or ""
+            if entry is None:
+                text, logprob, top = first_token, None, None
+            else:
+                chosen = entry[tid]
+                text, logprob = chosen.decoded_token or "", chosen.logprob
+                # By rank, not by count: a prompt scored with fewer alternatives than `top_n`
+                # (prompt_logprobs < logprobs) must not pass its own token off as a top one.
+                ranked = sorted((lp for lp in entry.values() if lp.rank and lp.rank <= top_n),
+                                key=lambda lp: lp.rank)
+                top = {(lp.decoded_token or ""): lp.logprob for lp in ranked}
             self.tokens.append(text)
-            self.token_logprobs.append(chosen.logprob)
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-            self.top_logprobs.append({(lp.decoded_token or ""): lp.logprob
-                                      for _, lp in ranked[:max(top_n, 0)] if lp.rank})
+            self.token_logprobs.append(logprob)
+            self.top_logprobs.append(top)
             self.text_offset.append(offset)
             offset += len(text)
+        return offset
 
     def body(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
                 "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+
+
+def prompt_logprobs_body(entries: PromptLogprobs) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: null for the first token, then {token id: its Logprob}."""
+    return [None if entry is None else
+            {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in entry.items()}
+            for entry in entries]
 
 
 def chat_logprobs(entries: SampleLogprobs, token_ids: list[int], top_n: int) -> list[dict]:
@@ -93,8 +125,9 @@ def _token(text: str | None, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def completion_choice(index: int, delta: CompletionOutput, logprobs: dict | None) -> dict[str, Any]:
-    return {"index": index, "text": delta.text, "logprobs": logprobs,
+def completion_choice(index: int, text: str, delta: CompletionOutput, logprobs: dict | None
+                      ) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs,
             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
 
@@ -124,10 +157,16 @@ def _worth_sending(delta: CompletionOutput, logprobs: int | None) -> bool:
 
 
 class CompletionFormat:
-    def __init__(self, header: Header, n: int, logprobs: int | None):
-        self.header, self.n, self.logprobs = header, n, logprobs
+    def __init__(self, header: Header, n: int, logprobs: int | None, echoes: list[Echo] | None = None):
+        """`echoes`: one per prompt when the request asks for `echo`."""
+        self.header, self.n, self.logprobs, self.echoes = header, n, logprobs, echoes
         self.usage = Usage()
-        self.offsets: dict[int, int] = {}
+        self.offsets: dict[int, int] = {}  # choice index -> the text_offset of its next token
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # prompt -> its entries, once come
+        # Choices that have had their echo / their prompt_logprobs: each goes out once, with
+        # the first event of the choice that has it.
+        self.echoed: set[int] = set()
+        self.scored: set[int] = set()
 
     def _account(self, chunk: EngineChunk, seen: set[int], prompt: int) -> None:
         if prompt not in seen:
@@ -135,16 +174,47 @@ class CompletionFormat:
             self.usage.prompt_tokens += chunk.num_prompt_tokens
             self.usage.cached_tokens += chunk.num_cached_tokens
         self.usage.completion_tokens += sum(len(c.token_ids) for c in chunk.choices)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt] = chunk.prompt_logprobs
 
     def _choice(self, prompt: int, delta: Any) -> dict[str, Any]:
         index = prompt * self.n + delta.index
-        lp = None
-        if self.logprobs is not None and delta.logprobs is not None:
-            logprobs = CompletionLogprobs()
+        logprobs = CompletionLogprobs() if self.logprobs is not None else None
+        echo = self._echo(prompt, index, logprobs)
+        if logprobs is not None and delta.logprobs is not None:
             logprobs.add(delta.logprobs, delta.token_ids, self.offsets.get(index, 0), self.logprobs)
-            lp = logprobs.body()
         self.offsets[index] = self.offsets.get(index, 0) + len(delta.text)
-        return completion_choice(index, delta, lp)
+        with_logprobs = logprobs is not None and (echo is not None or delta.logprobs is not None)
+        choice = completion_choice(index, (echo or "") + delta.text, delta,
+                                   logprobs.body() if with_logprobs else None)
+        if prompt in self.prompt_logprobs and index not in self.scored:
+            self.scored.add(index)
+            choice["prompt_logprobs"] = prompt_logprobs_body(self.prompt_logprobs[prompt])
+        return choice
+
+    def _echo(self, prompt: int, index: int, logprobs: CompletionLogprobs | None) -> str | None:
+        """The prompt's text for the choice's first event (its logprobs into `logprobs`),
+        then None."""
+        if self.echoes is None or index in self.echoed:
+            return None
+        self.echoed.add(index)
+        echo = self.echoes[prompt]
+        end = len(echo.text)
+        if logprobs is not None:
+            entries = self.prompt_logprobs.get(prompt)
+            if entries is None:  # the engine's contract: they come with the first token
+                raise RuntimeError("echo with logprobs: the engine returned no prompt logprobs")
+            # The output's offsets go on from the prompt tokens' (vLLM's), so they keep rising
+            # where the given text lacks a token's text (a BOS).
+            end = logprobs.add(entries, echo.token_ids, 0, self.logprobs, echo.first_token)
+        self.offsets[index] = end
+        return echo.text
+
+    def _owes(self, prompt: int, choice: int) -> bool:
+        """Whether the prompt's choice has yet to send its echo or prompt_logprobs."""
+        index = prompt * self.n + choice
+        return ((self.echoes is not None and index not in self.echoed)
+                or (prompt in self.prompt_logprobs and index not in self.scored))
 
     async def stream(self, batches: Batches, include_usage: bool) -> AsyncIterator[str]:
         seen: set[int] = set()
@@ -152,7 +222,7 @@ class CompletionFormat:
             for prompt, chunk in batch:
                 self._account(chunk, seen, prompt)
             choices = [self._choice(prompt, d) for (prompt, _), d in _merged(batch).items()
-                       if _worth_sending(d, self.logprobs)]
+                       if _worth_sending(d, self.logprobs) or self._owes(prompt, d.index)]
             if choices:
                 yield sse(self.header.body("text_completion", choices))
         if include_usage:
@@ -177,6 +247,7 @@ class ChatFormat:
         self.usage = Usage()
         self.tools = tools
         self.outputs: dict[int, ToolOutput] = {}  # choice index -> its calls so far
+        self.prompt_logprobs: PromptLogprobs | None = None  # come, not yet sent
 
     def _delta(self, d: Any, lp: list | None) -> dict[str, Any] | None:
         """The choice's chunk; None when there is nothing to send yet (a call being held)."""
@@ -194,6 +265,13 @@ class ChatFormat:
         self.usage.prompt_tokens = chunk.num_prompt_tokens
         self.usage.cached_tokens = chunk.num_cached_tokens
         self.usage.completion_tokens += sum(len(c.token_ids) for c in chunk.choices)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+
+    def _take_prompt_logprobs(self) -> dict[str, Any]:
+        """vLLM's top-level `prompt_logprobs`, once: {} before they come and after."""
+        entries, self.prompt_logprobs = self.prompt_logprobs, None
+        return {} if entries is None else {"prompt_logprobs": prompt_logprobs_body(entries)}
 
     def _logprobs(self, delta: Any) -> list | None:
         if self.top is None or delta.logprobs is None:
@@ -215,8 +293,9 @@ class ChatFormat:
                 choice = self._delta(d, self._logprobs(d))
                 if choice is not None:
                     choices.append(choice)
-            if choices:
-                yield sse(self.header.body(obj, choices))
+            scored = self._take_prompt_logprobs()  # in this event even if no choice has news
+            if choices or scored:
+                yield sse(self.header.body(obj, choices, **scored))
         if include_usage:
             yield sse(self.header.body(obj, [], usage=self.usage.body()))
 
@@ -229,7 +308,8 @@ class ChatFormat:
                                         self.tools() if self.tools else None)
                             for d in chunk.choices]
         choices.sort(key=lambda c: c["index"])
-        return self.header.body("chat.completion", choices, usage=self.usage.body())
+        return self.header.body("chat.completion", choices, usage=self.usage.body(),
+                                **self._take_prompt_logprobs())
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:

@@ -75,6 +75,10 @@ class PromptTokenizer:
         # The template writes BOS itself where the model wants it.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def decode(self, prompts: list[list[int]]) -> list[str]:
+        """Token-id prompts' text, special tokens kept (vLLM's, for `echo`)."""
+        return self.tokenizer.batch_decode(prompts)
+
     def template_shows_tools(self) -> bool:
         """Whether the chat template writes the `tools` it is given into the prompt."""
         if self._template_shows_tools is None:
@@ -100,6 +104,10 @@ class PromptTokenizer:
                    for m in messages)
         return await self._run(size, self.encode_chat, messages, add_generation_prompt,
                                template_kwargs, max_tokens, describe_tools)
+
+    async def decode_async(self, prompts: list[list[int]]) -> list[str]:
+        # Sized by tokens: decoding one costs less than encoding the characters it stands for.
+        return await self._run(sum(map(len, prompts)), self.decode, prompts)
 
     async def _run(self, size: int, work: Any, *args: Any) -> Any:
         if size <= INLINE_CHARS:
