@@ -50,10 +50,10 @@ lint: venv
 	$(VENV)/bin/lint-imports --no-cache
 
 # Two runs (CI's budget is 20 minutes). The tests that stay in one process (engine, kernels,
-# benchmark units) two at a time: most of their time is one Python thread (the Triton
-# interpreter, the HF referee). Then the ones that deploy (tests/serve, tests/multihost, the
-# benchmark against a deployment) one at a time: each spreads over every core. Both always
-# run; --durations lists each run's slowest tests at its end.
+# the OpenAI server without Ray in tests/api, benchmark units) two at a time: most of their
+# time is one Python thread (the Triton interpreter, the HF referee). Then the ones that
+# deploy (tests/serve, tests/multihost, the benchmark against a deployment) one at a time:
+# each spreads over every core. Both always run; --durations lists each run's slowest tests.
 SERIAL_TESTS = tests/serve tests/multihost tests/bench/test_bench_e2e.py
 test: lint
 	@rc=0; \

@@ -119,6 +119,6 @@ def test_prefix_aware_routing_sends_repeats_to_the_holder(tmp_path):
         by_outcome[outcome] = by_outcome.get(outcome, 0) + n
     assert by_outcome == {"balance": PREFIXES, "affinity": total - PREFIXES}, decisions
     # Every repeat of a prefix hits on its replica: 24 of 36 prompts reuse 256 of 272 tokens
-    # (0.63). Round robin (tests/serve/test_routing.py) would send each prefix's 3 requests
+    # (0.63). Round robin (tests/api/test_routing.py) would send each prefix's 3 requests
     # to alternate replicas and compute it on both: 12 hits of 36 (0.31).
     assert rate > 0.55, rate

@@ -4,7 +4,7 @@ Pickling dataclasses runs Python code per object (copyreg's __reduce_ex__), with
 right after a step's torch work; tuples, lists, strings and numbers pickle in C (what it
 saves: docs/performance.md, "Serving"). The fields are positional in dataclass field order,
 so a new field of RequestOutput, CompletionOutput or EngineStats must be added on both sides here
-(tests/serve/test_engine_core.py round-trips every field).
+(tests/api/test_engine_core.py round-trips every field).
 
 A request's prompt (text and token ids) goes with its first output only; the Decoder keeps
 it for the request's later outputs (with 256 streams of ~500-token prompts, sending it every

@@ -14,8 +14,8 @@ import pytest
 import requests
 import torch
 
-from tests.serve.test_echo_units import lm_eval_reading
-from tests.serve.test_structured_api import serving
+from tests.api.test_echo_units import lm_eval_reading
+from tests.api.test_structured_api import serving
 
 CONTEXT = 4  # prompt tokens before the continuation that is scored
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from flagserve.models.packaged import smollm2_gguf
-from tests.serve.test_structured_api import FLAG, chat, post, serving
+from tests.api.test_structured_api import FLAG, chat, post, serving
 
 PICK = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
         "additionalProperties": False}

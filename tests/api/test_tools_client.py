@@ -9,8 +9,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.serve.test_structured_api import serving
-from tests.serve.test_tools_api import NAMED, SCHEMAS, TOOLS
+from tests.api.test_structured_api import serving
+from tests.api.test_tools_api import NAMED, SCHEMAS, TOOLS
 
 ASK = [{"role": "user", "content": "Pick a color and set the flag."}]
 
