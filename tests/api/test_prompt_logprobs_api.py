@@ -104,3 +104,27 @@ def test_chat_prompt_logprobs_at_the_top_level(url):
         assert {1, 2} <= {v["rank"] for v in entry.values()}
         assert all(isinstance(v["logprob"], float) and isinstance(v["decoded_token"], str)
                    for v in entry.values())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(url, hf, stream):
+    """OpenAI's and vLLM's scoring request: the prompt's text and logprobs, nothing generated."""
+    batch = prompts(hf)[1:]
+    scored = requests.post(url + "/v1/completions", json=lm_eval_request(batch), timeout=60).json()
+    body = lm_eval_request(batch, max_tokens=0, stream=stream,
+                           **({"stream_options": {"include_usage": True}} if stream else {}))
+    r = requests.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    events = ([json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+              if stream else [r.json()])
+    choices = [c for e in events for c in e["choices"]]
+    text = "".join(c["text"] for c in choices)
+    tokens = sum((c["logprobs"]["tokens"] for c in choices if c["logprobs"]), [])
+    logprobs = sum((c["logprobs"]["token_logprobs"] for c in choices if c["logprobs"]), [])
+    want = scored["choices"][0]
+    assert text == hf[1].decode(batch[0]) and len(tokens) == len(batch[0])
+    assert logprobs[1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:len(batch[0])], abs=1e-5)
+    assert choices[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    assert requests.post(url + "/v1/completions", json={**body, "echo": False},
+                         timeout=60).status_code == 400  # max_tokens 0 without echo

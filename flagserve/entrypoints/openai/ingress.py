@@ -48,7 +48,14 @@ from flagserve.entrypoints.openai.engine_client import (
 from flagserve.entrypoints.openai.errors import OpenAIError, error_message
 from flagserve.entrypoints.openai.http_server import DirectHTTPServer
 from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from flagserve.entrypoints.openai.responses import ChatFormat, CompletionFormat, Echo, Header, sse_response
+from flagserve.entrypoints.openai.responses import (
+    ChatFormat,
+    CompletionFormat,
+    Echo,
+    Header,
+    prompt_only,
+    sse_response,
+)
 from flagserve.entrypoints.openai.streams import batches, cancel_on_close, prepend
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 from flagserve.entrypoints.openai.tool_output import ToolOutput
@@ -274,17 +281,20 @@ class OpenAIIngress:
         check_completion(req)
         prompts = req.prompts()
         check_limits(req, self.limits, len(prompts))
-        self._sampling(req, req.max_tokens, req.logprobs, info)  # every value, before tokenizing
+        self._sampling(req, req.engine_max_tokens, req.logprobs, info)  # every value, before tokenizing
         token_ids = await self._encode_prompts(route, prompts, info)
         echoes = await self._echoes(route, prompts, token_ids) if req.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
         header = Header(rid, req.model or route.names[0])
         requests = []
         for i, ids in enumerate(token_ids):
-            max_tokens = check_budget(info, len(ids), req.max_tokens, "prompt", self.limits.max_tokens)
+            max_tokens = check_budget(info, len(ids), req.engine_max_tokens, "prompt",
+                                      self.limits.max_tokens)
             params = self._sampling(req, max_tokens, req.logprobs, info)
             requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.stream, time.time()))
         stream = await self._start(route, requests)
+        if req.echo_only:
+            stream = prompt_only(stream)
         fmt = CompletionFormat(header, req.n, req.logprobs, echoes)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

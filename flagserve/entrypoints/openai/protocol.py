@@ -116,6 +116,17 @@ class CompletionRequest(_Request):
         return self.max_tokens
 
     @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt alone (OpenAI's and vLLM's scoring request)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_max_tokens(self) -> int | None:
+        """What the engine generates: one token for an echo_only request (dropped from the
+        response: the engine samples at least one), else max_tokens."""
+        return 1 if self.echo_only else self.max_tokens
+
+    @property
     def engine_prompt_logprobs(self) -> int | None:
         """vLLM's rule: echo with logprobs scores the echoed prompt as deeply as the output,
         unless prompt_logprobs says otherwise."""

@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -154,6 +154,15 @@ def _merged(batch: list[tuple[int, EngineChunk]]) -> dict[tuple[int, int], Compl
 def _worth_sending(delta: CompletionOutput, logprobs: int | None) -> bool:
     # Tokens whose text is held back (a partial stop string) are sent with their text.
     return bool(delta.text or delta.finish_reason or (logprobs is not None and delta.token_ids))
+
+
+async def prompt_only(stream: Batches) -> Batches:
+    """`echo` with `max_tokens: 0`: the one token the engine generated dropped, each choice's
+    end (and the prompt's logprobs) kept."""
+    async for batch in stream:
+        yield [(prompt, replace(chunk, choices=[
+            CompletionOutput(c.index, "", [], None, None, c.finish_reason, c.stop_reason)
+            for c in chunk.choices])) for prompt, chunk in batch]
 
 
 class CompletionFormat:
