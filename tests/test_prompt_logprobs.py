@@ -10,7 +10,8 @@ from flagserve import LLM, SamplingParams
 from flagserve.engine.sampling_params import RequestOutputKind
 from tests.conftest import prompt_set
 
-TOL = 1e-4
+# CUDA GEMMs sum in another order than HF's CPU ones (test_hf_parity's 1e-3 there)
+TOL = 1e-3 if torch.cuda.is_available() else 1e-4
 TOP = 3
 SCORE = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=TOP)
 
