@@ -1,5 +1,8 @@
 """The tokenizer as a deployment of its own (`tokenizer.num_replicas >= 1`; default 0: the
-ingress tokenizes). When it is worth its round trip per request: README, "The serving graph"."""
+ingress tokenizes). When it is worth its round trip per request: README, "The serving graph".
+
+Each method but info is PromptTokenizer's `<name>_async`: the ingress calls either by the
+same name (ingress.call_tokenizer)."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,9 +20,23 @@ class TokenizerDeployment:
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           template_kwargs: dict[str, Any] | None, max_tokens: int | None,
-                          describe_tools: bool = False) -> list[int]:
+                          describe_tools: bool = False, add_special_tokens: bool = False
+                          ) -> list[int]:
         return await self.tokenizer.encode_chat_async(messages, add_generation_prompt,
-                                                      template_kwargs, max_tokens, describe_tools)
+                                                      template_kwargs, max_tokens, describe_tools,
+                                                      add_special_tokens)
+
+    async def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self.tokenizer.encode_text_async(text, add_special_tokens)
 
     async def decode(self, prompts: list[list[int]]) -> list[str]:
         return await self.tokenizer.decode_async(prompts)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        return await self.tokenizer.detokenize_async(ids)
+
+    async def token_strs(self, ids: list[int]) -> list[str]:
+        return await self.tokenizer.token_strs_async(ids)
+
+    async def info(self) -> dict[str, Any]:
+        return self.tokenizer.info()

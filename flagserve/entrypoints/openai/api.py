@@ -22,7 +22,10 @@ from flagserve.entrypoints.openai.size_limits import SizeLimitMiddleware
 log = logging.getLogger(__name__)
 ROUTES = (("GET", "/health", "health"), ("GET", "/v1/models", "models"),
           ("GET", "/metrics", "metrics"), ("POST", "/v1/completions", "completions"),
-          ("POST", "/v1/chat/completions", "chat_completions"))  # -> OpenAIIngress methods
+          ("POST", "/v1/chat/completions", "chat_completions"),
+          # vLLM's tokenizer routes, at the root as vLLM serves them
+          ("POST", "/tokenize", "tokenize"), ("POST", "/detokenize", "detokenize"),
+          ("GET", "/tokenizer_info", "tokenizer_info"))  # -> OpenAIIngress methods
 
 
 def build_api(ingress: Any) -> FastAPI:

@@ -7,7 +7,7 @@ engine through its EngineClient (engine_client.py): in this process when the eng
 here (deploy.ingress: engine), else one streaming call to the engine deployment. What the
 engine streams back is written as SSE events, one per batch of chunks that arrived together (streams.batches).
 Responses follow vLLM's OpenAI server: /v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics.
+/health, /metrics, and its tokenizer routes /tokenize, /detokenize, /tokenizer_info.
 
 HTTP reaches it one of two ways (deploy.http_server): through Ray Serve's proxy, which calls
 the ASGI app that __serve_build_asgi_app__ returns, or straight from the client, when every
@@ -47,7 +47,14 @@ from flagserve.entrypoints.openai.engine_client import (
 )
 from flagserve.entrypoints.openai.errors import OpenAIError, error_message
 from flagserve.entrypoints.openai.http_server import DirectHTTPServer
-from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from flagserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    parse_request,
+    tokenize_request,
+)
 from flagserve.entrypoints.openai.responses import (
     ChatFormat,
     CompletionFormat,
@@ -61,6 +68,7 @@ from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 from flagserve.entrypoints.openai.tool_output import ToolOutput
 from flagserve.entrypoints.openai.tool_parsers import choose_parser
 from flagserve.entrypoints.openai.tools import template_message
+from flagserve.entrypoints.openai.unhonoured import unknown_field_message
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
@@ -74,6 +82,15 @@ class ModelRoute:
     tokenizer: Any  # DeploymentHandle of the tokenizer deployment; None: tokenize here
     preprocessors: list[tuple[str, Any]]  # user modules, dependencies first
     tool_call_parser: str = "auto"  # tool_parsers.TOOL_PARSERS name; auto: by the chat template
+
+
+async def call_tokenizer(tokenizers: dict[str, PromptTokenizer], route: ModelRoute, method: str,
+                         *args: Any) -> Any:
+    """The route's tokenizer's `method`: PromptTokenizer.<method>_async in this process, or
+    <method> of the tokenizer deployment (tokenizer_deployment.py), one hop away."""
+    if route.tokenizer is None:
+        return await getattr(tokenizers[route.module_id], f"{method}_async")(*args)
+    return await getattr(route.tokenizer, method).remote(*args)
 
 
 class OpenAIIngress:
@@ -91,6 +108,7 @@ class OpenAIIngress:
         self.drain: Drain | None = None  # the app, wrapped: stop drains it (drain.py)
         self.drain_timeout_s = drain_timeout_s
         self.infos: dict[str, ModelInfo] = {}
+        self.tokenizer_infos: dict[str, dict[str, Any]] = {}  # PromptTokenizer.info() per module
         self.tokenizers: dict[str, PromptTokenizer] = {}
         own_start = [self._load_tokenizers]  # done by the first engine built here, else below
 
@@ -149,10 +167,14 @@ class OpenAIIngress:
                               f"{', '.join(n for r in self.routes for n in r.names)}", "model")
         return route
 
-    async def _prepare(self, request: Request, model: type) -> tuple[Any, ModelRoute, ModelInfo]:
+    async def _body(self, request: Request) -> dict[str, Any]:
         body = parse_body(await request.body())
         longest = max([(await self._info(r)).max_model_len for r in self.routes])
         check_list_lengths(body, self.limits, longest)
+        return body
+
+    async def _prepare(self, request: Request, model: type) -> tuple[Any, ModelRoute, ModelInfo]:
+        body = await self._body(request)
         parsed = parse_request(model, body)
         route = self._route(parsed.model)
         for module_id, handle in route.preprocessors:
@@ -174,9 +196,7 @@ class OpenAIIngress:
             return prompts
         most = info.max_model_len - 1  # prompt tokens that leave room for one more
         try:
-            if route.tokenizer is None:
-                return await self.tokenizers[route.module_id].encode_prompts_async(prompts, most)
-            return await route.tokenizer.encode_prompts.remote(prompts, most)
+            return await call_tokenizer(self.tokenizers, route, "encode_prompts", prompts, most)
         except ValueError as err:
             raise OpenAIError(400, error_message(err), "prompt") from None
 
@@ -186,26 +206,23 @@ class OpenAIIngress:
         decoded; with each first token's text, which no logprob entry carries. One decode call
         for all: one hop when the route has a tokenizer deployment."""
         asked = [p for p in prompts if not isinstance(p, str)] + [ids[:1] for ids in token_ids]
-        if route.tokenizer is None:
-            decoded = await self.tokenizers[route.module_id].decode_async(asked)
-        else:
-            decoded = await route.tokenizer.decode.remote(asked)
+        decoded = await call_tokenizer(self.tokenizers, route, "decode", asked)
         texts, firsts = iter(decoded[:-len(token_ids)]), decoded[-len(token_ids):]
         return [Echo(p if isinstance(p, str) else next(texts), ids, first)
                 for p, ids, first in zip(prompts, token_ids, firsts)]
 
-    async def _encode_chat(self, route: ModelRoute, req: Any, info: ModelInfo) -> list[int]:
+    async def _encode_chat(self, route: ModelRoute, req: Any, max_tokens: int | None,
+                           add_special_tokens: bool = False) -> list[int]:
+        """`req`: a ChatPrompt; ValueError for a conversation past `max_tokens` (None: any)."""
         messages = [template_message(m.model_dump(exclude_none=True)) for m in req.messages]
         tools = req.template_tools()
         kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         # Only `auto` needs the model to know the tools' format; required and named calls are
         # written by the grammar, and the description would cost a blind template's context.
-        args = (messages, req.add_generation_prompt, kwargs or None, info.max_model_len - 1,
-                req.tool_mode == "auto")
+        args = (messages, req.add_generation_prompt, kwargs or None, max_tokens,
+                req.tool_mode == "auto", add_special_tokens)
         try:
-            if route.tokenizer is None:
-                return await self.tokenizers[route.module_id].encode_chat_async(*args)
-            return await route.tokenizer.encode_chat.remote(*args)
+            return await call_tokenizer(self.tokenizers, route, "encode_chat", *args)
         except ValueError as err:
             raise OpenAIError(400, error_message(err), "messages") from None
 
@@ -306,7 +323,7 @@ class OpenAIIngress:
         top = check_chat(req)
         check_limits(req, self.limits)
         self._sampling(req, req.requested_max_tokens, top, info)  # every value, before tokenizing
-        ids = await self._encode_chat(route, req, info)
+        ids = await self._encode_chat(route, req, info.max_model_len - 1)  # room for one more
         max_tokens = check_budget(info, len(ids), req.requested_max_tokens, "messages",
                                   self.limits.max_tokens)
         params = self._sampling(req, max_tokens, top, info)
@@ -318,3 +335,49 @@ class OpenAIIngress:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(fmt.stream(stream, include_usage))
         return JSONResponse(await fmt.full(stream))
+
+    # vLLM's tokenizer routes: what the route's tokenizer makes of a text or a conversation,
+    # so that a client (lm-eval's remote tokenizer) needs no copy of it. No user modules run:
+    # the answer is the tokenizer's view of the input as given.
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        body = await self._body(request)
+        req = parse_request(tokenize_request(body), body)
+        route = self._route(req.model)
+        info = await self._info(route)
+        if isinstance(req, TokenizeChatRequest):
+            # Unbounded, as vLLM's: a count past the context is what a caller trims by.
+            ids = await self._encode_chat(route, req, None, req.add_special_tokens)
+        else:
+            ids = await call_tokenizer(self.tokenizers, route, "encode_text", req.prompt,
+                                       req.add_special_tokens)
+        strs = (await call_tokenizer(self.tokenizers, route, "token_strs", ids)
+                if req.return_token_strs else None)
+        return JSONResponse({"count": len(ids), "max_model_len": info.max_model_len,
+                             "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        body = await self._body(request)
+        req = parse_request(DetokenizeRequest, body)
+        route = self._route(req.model)
+        try:
+            text = await call_tokenizer(self.tokenizers, route, "detokenize", req.tokens)
+        except ValueError as err:
+            raise OpenAIError(400, error_message(err), "tokens") from None
+        return JSONResponse({"prompt": text})
+
+    async def tokenizer_info(self, request: Request) -> JSONResponse:
+        """GET; `?model=` picks the model (the first one without)."""
+        unknown = sorted(set(request.query_params) - {"model"})
+        if unknown:
+            raise OpenAIError(400, unknown_field_message(unknown[0]), unknown[0])
+        model = request.query_params.get("model")
+        route = self._route(model)
+        if route.module_id not in self.tokenizer_infos:  # a tokenizer's config never changes
+            local = self.tokenizers.get(route.module_id)
+            self.tokenizer_infos[route.module_id] = (
+                local.info() if local is not None else await route.tokenizer.info.remote())
+        # The served context, not the tokenizer file's model_max_length (often a placeholder).
+        return JSONResponse({**self.tokenizer_infos[route.module_id],
+                             "model_max_length": (await self._info(route)).max_model_len,
+                             "model": model or route.names[0]})

@@ -166,17 +166,13 @@ TEMPLATE_CALL_ARGS = frozenset({"chat_template", "conversation", "tokenize", "ad
                                 "tools", "documents", "return_dict", "tokenizer_kwargs"})
 
 
-class ChatCompletionRequest(ChatRefused, _Request):
+class ChatPrompt(Strict):
+    """What the chat template renders: chat completions' prompt, and /tokenize's `messages` form."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = None  # None: up to the context window
-    max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None
-    tool_choice: ToolChoice | None = None  # None: auto with tools, else none (OpenAI's default)
-    parallel_tool_calls: StrictBool = True  # False: `required` makes exactly one call
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -186,6 +182,26 @@ class ChatCompletionRequest(ChatRefused, _Request):
             raise ValueError(f"{taken[0]!r} is an argument of the template call, not a template "
                              "variable; set the request's own field instead where there is one")
         return value
+
+    @property
+    def tool_mode(self) -> ToolMode:
+        """OpenAI's default: auto with tools, else none."""
+        return tool_mode(self.tools, None)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """What the chat template sees: the tools, but for tool_choice none."""
+        if not self.tools or self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+class ChatCompletionRequest(ChatRefused, _Request, ChatPrompt):
+    max_tokens: StrictInt | None = None  # None: up to the context window
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tool_choice: ToolChoice | None = None  # None: auto with tools, else none (OpenAI's default)
+    parallel_tool_calls: StrictBool = True  # False: `required` makes exactly one call
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -216,11 +232,34 @@ class ChatCompletionRequest(ChatRefused, _Request):
                              "function) cannot be combined with response_format or structured_outputs")
         return tools or other
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """What the chat template sees: the tools, but for tool_choice none."""
-        if not self.tools or self.tool_mode == "none":
-            return None
-        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+# vLLM's tokenizer routes (/tokenize, /detokenize): the shapes of its serving_tokenization.
+
+class TokenizeCompletionRequest(Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True  # as /v1/completions encodes a string prompt
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(ChatPrompt):
+    """The tokens /v1/chat/completions would give the model for these messages."""
+
+    model: str | None = None
+    # The template writes BOS where the model wants it (vLLM's default for chat, too).
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+def tokenize_request(body: dict[str, Any]) -> type[BaseModel]:
+    """vLLM's two forms of /tokenize, told apart by `messages`; a body with both `messages` and
+    `prompt` is then refused for the unknown field."""
+    return TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:

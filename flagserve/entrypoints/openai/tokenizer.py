@@ -22,6 +22,7 @@ from typing import Any
 from flagserve.entrypoints.openai.tools import with_tools_in_system
 from flagserve.models.tokenizer import load_tokenizer
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 PROBE_TOOL = {"type": "function", "function": {"name": "flagserve_probe_tool", "parameters": {}}}
 
 
@@ -50,14 +51,19 @@ class PromptTokenizer:
         for p in prompts:
             if isinstance(p, str):
                 self.check_length(p, max_tokens)
-        return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        return [p if isinstance(p, list) else self.encode_text(p) for p in prompts]
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Unbounded: /tokenize counts a text whatever its length (lm-eval truncates after)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     template_kwargs: dict[str, Any] | None, max_tokens: int | None = None,
-                    describe_tools: bool = False) -> list[int]:
+                    describe_tools: bool = False, add_special_tokens: bool = False) -> list[int]:
         """Raises ValueError when the model has no chat template, the template rejects input,
         or the conversation cannot be `max_tokens` tokens or fewer. `describe_tools`: a
-        template that does not show the `tools` gets them in the system message (tools.py)."""
+        template that does not show the `tools` gets them in the system message (tools.py).
+        `add_special_tokens` (vLLM's /tokenize field) adds the tokenizer's own on top."""
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         tools = (template_kwargs or {}).get("tools")
@@ -72,12 +78,34 @@ class PromptTokenizer:
             # (its raise_exception() on bad roles, a TypeError on a field of the wrong type)
             raise ValueError(f"the chat template rejected the messages: {err}") from None
         self.check_length(text, max_tokens)
-        # The template writes BOS itself where the model wants it.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # By default none: the template writes BOS itself where the model wants it.
+        return self.encode_text(text, add_special_tokens)
 
     def decode(self, prompts: list[list[int]]) -> list[str]:
         """Token-id prompts' text, special tokens kept (vLLM's, for `echo`)."""
         return self.tokenizer.batch_decode(prompts)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """/detokenize: ValueError for an id outside the vocabulary, which the tokenizer would
+        drop without a word (and a negative one would fail in its Rust core)."""
+        size = len(self.tokenizer)  # with the added tokens
+        bad = next((t for t in ids if not 0 <= t < size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {size})")
+        return self.decode([ids])[0]
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """vLLM's `return_token_strs`: each token as the vocabulary spells it (byte-level BPE's
+        "Ġ" for a space), not its decoded text."""
+        return self.tokenizer.convert_ids_to_tokens(ids)
+
+    def info(self) -> dict[str, Any]:
+        """/tokenizer_info's part from the tokenizer: what a client needs to tokenize as the
+        server does (lm-eval's remote tokenizer reads the special tokens and the template)."""
+        special = self.tokenizer.special_tokens_map  # named tokens that are set, as strings
+        return {"tokenizer_class": type(self.tokenizer).__name__,
+                **{name: special.get(name) for name in SPECIAL_TOKENS},
+                "chat_template": self.tokenizer.chat_template}
 
     def template_shows_tools(self) -> bool:
         """Whether the chat template writes the `tools` it is given into the prompt."""
@@ -97,17 +125,27 @@ class PromptTokenizer:
 
     async def encode_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                                 template_kwargs: dict[str, Any] | None, max_tokens: int | None,
-                                describe_tools: bool = False) -> list[int]:
+                                describe_tools: bool = False, add_special_tokens: bool = False
+                                ) -> list[int]:
         # Content given as parts counts as large: measuring it would cost what it saves. Each
         # message costs the template some work of its own (its role's markup, a loop turn).
         size = sum(max(len(c), 64) if isinstance(c := m.get("content"), str) else INLINE_CHARS
                    for m in messages)
         return await self._run(size, self.encode_chat, messages, add_generation_prompt,
-                               template_kwargs, max_tokens, describe_tools)
+                               template_kwargs, max_tokens, describe_tools, add_special_tokens)
+
+    async def encode_text_async(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self._run(len(text), self.encode_text, text, add_special_tokens)
 
     async def decode_async(self, prompts: list[list[int]]) -> list[str]:
         # Sized by tokens: decoding one costs less than encoding the characters it stands for.
         return await self._run(sum(map(len, prompts)), self.decode, prompts)
+
+    async def detokenize_async(self, ids: list[int]) -> str:
+        return await self._run(len(ids), self.detokenize, ids)
+
+    async def token_strs_async(self, ids: list[int]) -> list[str]:
+        return await self._run(len(ids), self.token_strs, ids)
 
     async def _run(self, size: int, work: Any, *args: Any) -> Any:
         if size <= INLINE_CHARS:
