@@ -21,7 +21,7 @@ from kernels.decode_attention import paged_decode_attention_torch
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.rms_norm import fused_add_rms_norm_torch, rms_norm_torch
 from kernels.rotary_store import rotary_store_kvcache_torch
-from kernels.sampling import apply_token_bitmask_torch, argmax_torch
+from kernels.sampling import apply_token_bitmask_torch, argmax_torch, lse_and_ranks_torch
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "FLAGSERVE_KERNEL_BACKEND"
@@ -39,6 +39,7 @@ class KernelOps:
     silu_and_mul: Callable
     apply_token_bitmask: Callable  # a grammar's allowed tokens (sampler)
     argmax: Callable  # each row's largest logit (sampler)
+    lse_and_ranks: Callable  # each row's log-sum-exp and a token's rank (logprobs)
     # paged_decode_attention works through the sequences in a given order: the engine builds
     # one per step (longest first) for it, and none for the others
     orders_decodes: bool = False
@@ -54,6 +55,7 @@ TORCH_OPS = KernelOps(
     silu_and_mul=silu_and_mul_torch,
     apply_token_bitmask=apply_token_bitmask_torch,
     argmax=argmax_torch,
+    lse_and_ranks=lse_and_ranks_torch,
 )
 
 

@@ -9,8 +9,8 @@
   (16 with AVX2; cpu_linear.cpp; flagserve/layers/cpu_matmul.py chooses it over oneDNN).
 - RMSNorm, residual add + RMSNorm, SiLU-and-mul and rotary + KV store are one pass each
   (cpu_elementwise.cpp) where the reference runs 5-15 torch ops.
-- The sampler's argmax and a grammar's token bitmask are one pass each over the logits
-  (cpu_sampling.cpp), where torch's take 10x longer.
+- The sampler's argmax and a grammar's token bitmask are one pass each over the logits, a
+  logprob's log-sum-exp and rank two (cpu_sampling.cpp), where torch's take 5-10x longer.
 - Their threads share each op's work from one counter (cpu_pool.cpp) rather than OpenMP's
   equal shares, so a thread that loses its core to a neighbour does not hold up the op.
 
@@ -37,7 +37,7 @@ from kernels.backend import KernelOps
 from kernels.out_arg import written
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.rms_norm import rms_norm_torch
-from kernels.sampling import apply_token_bitmask_torch, argmax_torch
+from kernels.sampling import apply_token_bitmask_torch, argmax_torch, lse_and_ranks_torch
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,12 @@ def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
     return torch.ops.flagserve_cpu.argmax_rows(logits)
 
 
+def lse_and_ranks_cpu(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0:
+        return lse_and_ranks_torch(logits, tokens)
+    return torch.ops.flagserve_cpu.lse_and_ranks(logits, tokens)
+
+
 def native_ops(ops: KernelOps) -> KernelOps:
     """`ops` with every op that has a native CPU kernel replaced by it."""
     return dataclasses.replace(ops, name=f"{ops.name}+cpu-native",
@@ -211,4 +217,5 @@ def native_ops(ops: KernelOps) -> KernelOps:
                                silu_and_mul=silu_and_mul_cpu,
                                rotary_store_kvcache=rotary_store_kvcache_cpu,
                                apply_token_bitmask=apply_token_bitmask_cpu, argmax=argmax_cpu,
+                               lse_and_ranks=lse_and_ranks_cpu,
                                orders_decodes=False)

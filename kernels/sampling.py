@@ -5,12 +5,19 @@ native kernels (csrc/cpu_sampling.cpp).
   xgrammar's layout).
 - The index of each row's largest value, the first on ties (greedy rows, and the exponential
   race of sampled ones).
+- Each row's log-sum-exp and the rank of a given token in it (1 = the largest): logprobs.
 """
 import torch
 
 
 def argmax_torch(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
+
+
+def lse_and_ranks_torch(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp [N], rank of tokens[i] in row i [N] int64) of float32 logits [N, V]."""
+    own = logits.gather(1, tokens[:, None])
+    return logits.logsumexp(-1), (logits > own).sum(-1) + 1
 
 _BIAS_TABLES: dict[torch.device, torch.Tensor] = {}
 

@@ -1,6 +1,6 @@
 """The Triton implementation of every op, as one KernelOps (importing this imports triton)."""
 from kernels.backend import KernelOps
-from kernels.sampling import apply_token_bitmask_torch, argmax_torch
+from kernels.sampling import apply_token_bitmask_torch, argmax_torch, lse_and_ranks_torch
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_decode_attention import paged_decode_attention_triton
 from kernels.triton_prefill_attention import paged_prefill_attention_triton
@@ -17,6 +17,7 @@ TRITON_OPS = KernelOps(
     silu_and_mul=silu_and_mul_triton,
     apply_token_bitmask=apply_token_bitmask_torch,  # one add: no kernel of its own needed
     argmax=argmax_torch,
+    lse_and_ranks=lse_and_ranks_torch,
     orders_decodes=True,
 )
 

@@ -234,7 +234,7 @@ class ModelRunner:
         scores = None  # the engine never defers a step that scores (async scheduling)
         if step.prompt_rows:
             scores = score_prompt_rows(hidden, step.prompt_rows, self.model.compute_logits,
-                                       self.cfg.vocab_size)
+                                       self.cfg.vocab_size, self.ops.lse_and_ranks)
         if not step.sample_indices:
             self.forward_seconds += time.perf_counter() - start
             return None if scores is None else SamplerOutput([], None, None, None, None, scores)

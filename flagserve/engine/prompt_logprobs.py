@@ -46,7 +46,7 @@ def prompt_rows(seq: Sequence, start: int, num_new: int, first_row: int) -> Prom
 @torch.inference_mode()
 def score_prompt_rows(hidden: torch.Tensor, rows: list[PromptRows],
                       compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
-                      vocab_size: int) -> list[PromptScores] | None:
+                      vocab_size: int, lse_and_ranks: Callable) -> list[PromptScores] | None:
     """Every rank of the last stage runs the LM head (a TP group gathers its logits); only
     the rank that gets them (the sampling shard) returns scores."""
     device = hidden.device
@@ -58,8 +58,7 @@ def score_prompt_rows(hidden: torch.Tensor, rows: list[PromptRows],
     for lo in range(0, len(index), per_pass):
         logits = compute_logits(hidden[index[lo:lo + per_pass]])
         if logits is not None:
-            raw = logits.float().log_softmax(-1)
-            parts.append(logprobs_of(raw, targets[lo:lo + per_pass], num_top))
+            parts.append(logprobs_of(logits.float(), targets[lo:lo + per_pass], num_top, lse_and_ranks))
     if not parts:
         return None
     chosen, ranks, top_ids, top_lps = (None if t[0] is None else torch.cat(t).tolist() for t in zip(*parts))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kernels import KernelOps
-from kernels.sampling import apply_token_bitmask_torch, argmax_torch
+from kernels.sampling import apply_token_bitmask_torch, argmax_torch, lse_and_ranks_torch
 
 
 @dataclass
@@ -64,16 +64,19 @@ class SamplerOutput:
                              pick(self.top_token_ids), pick(self.top_logprobs), self.prompt_scores)
 
 
-def logprobs_of(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, num_top: int,
+                lse_and_ranks: Callable = lse_and_ranks_torch
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Per row: the logprob of its token, that token's rank (1 = the most likely) and, when
-    num_top > 0, the top num_top (ids, logprobs)."""
-    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-    ranks = (raw_logprobs > chosen[:, None]).sum(-1) + 1
+    """Per row of float32 `logits`: the logprob of its token, that token's rank (1 = the most
+    likely) and, when num_top > 0, the top num_top (ids, logprobs). Ranks and the top are the
+    logits' own; only the values picked subtract the row's log-sum-exp: no [rows, vocab]
+    log-softmax is written (a prompt scores thousands of rows)."""
+    lse, ranks = lse_and_ranks(logits, tokens)
+    chosen = logits.gather(1, tokens[:, None]).squeeze(1)
     if num_top <= 0:
-        return chosen, ranks, None, None
-    top = raw_logprobs.topk(num_top, dim=-1)
-    return chosen, ranks, top.indices, top.values
+        return chosen - lse, ranks, None, None
+    top = logits.topk(num_top, dim=-1)
+    return chosen - lse, ranks, top.indices, top.values - lse[:, None]
 
 
 @dataclass
@@ -211,6 +214,7 @@ class Sampler(nn.Module):
         super().__init__()
         self.apply_token_bitmask = ops.apply_token_bitmask if ops else apply_token_bitmask_torch
         self.argmax = ops.argmax if ops else argmax_torch
+        self.lse_and_ranks = ops.lse_and_ranks if ops else lse_and_ranks_torch
         self.generator = seeded_generator(seed, device)
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -224,8 +228,7 @@ class Sampler(nn.Module):
             return DeviceSamples(self.argmax(logits))
         logits = logits.float()
         want_logprobs = batch.max_num_logprobs >= 0
-        # Logprobs are of the raw distribution and cost a full-vocabulary pass: only on request.
-        raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+        raw = logits  # logprobs are of the raw distribution (every change below is out of place)
         if batch.logit_bias is not None:  # before the penalties, as vLLM
             logits = apply_logit_bias(logits, batch)
         if batch.repetition_penalties is not None or batch.presence_penalties is not None:
@@ -240,4 +243,4 @@ class Sampler(nn.Module):
             tokens = torch.where(batch.temperatures == 0, tokens, sampled)
         if not want_logprobs:
             return DeviceSamples(tokens)
-        return DeviceSamples(tokens, *logprobs_of(raw_logprobs, tokens, batch.max_num_logprobs))
+        return DeviceSamples(tokens, *logprobs_of(raw, tokens, batch.max_num_logprobs, self.lse_and_ranks))
