@@ -15,15 +15,8 @@ import requests
 import torch
 
 from tests.api.test_echo_units import lm_eval_reading
-from tests.api.test_structured_api import serving
 
 CONTEXT = 4  # prompt tokens before the continuation that is scored
-
-
-@pytest.fixture(scope="module")
-def url(llama_path):
-    with serving(llama_path, "thread") as u:
-        yield u
 
 
 @pytest.fixture(scope="module")

@@ -21,19 +21,12 @@ from flagserve.entrypoints.openai.errors import OpenAIError
 from flagserve.entrypoints.openai.ingress import ModelRoute, OpenAIIngress
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 from flagserve.serve.tokenizer_deployment import TokenizerDeployment
-from tests.api.test_structured_api import serving
 
-MAX_MODEL_LEN = 512  # serving()'s
+MAX_MODEL_LEN = 512  # conftest.serving()'s
 TEXT = "The weather today is sunny, so we cook rice."
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
-
-
-@pytest.fixture(scope="module")
-def url(llama_path):
-    with serving(llama_path, "thread") as u:
-        yield u
 
 
 @pytest.fixture(scope="module")

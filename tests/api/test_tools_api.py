@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 
 from flagserve.models.packaged import smollm2_gguf
-from tests.api.test_structured_api import FLAG, chat, post, serving
+from tests.api.conftest import serving
+from tests.api.test_structured_api import FLAG, chat, post
 
 PICK = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
         "additionalProperties": False}
@@ -21,12 +22,6 @@ TOOLS = [{"type": "function",
          {"type": "function", "function": {"name": "pick", "parameters": PICK}}]
 SCHEMAS = {"flag": FLAG, "pick": PICK}
 NAMED = {"type": "function", "function": {"name": "pick"}}
-
-
-@pytest.fixture(scope="module")
-def url(llama_path):
-    with serving(llama_path, "thread") as u:
-        yield u
 
 
 def checked_calls(choice: dict) -> list[dict]:

@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.test_structured_api import serving
+from tests.api.conftest import serving
 from tests.api.test_tools_api import NAMED, SCHEMAS, TOOLS
 
 ASK = [{"role": "user", "content": "Pick a color and set the flag."}]
