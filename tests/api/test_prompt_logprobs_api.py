@@ -3,7 +3,7 @@ loglikelihood (echo, logprobs 1, max_tokens 1, a batch of token-id prompts): the
 tokens' logprobs against HF transformers on the same model, and the greedy check; chat's
 top-level `prompt_logprobs`.
 
-The harness of test_structured_api.py: the ingress on its own server over a real engine
+The harness of conftest.py: the ingress on its own server over a real engine
 (the tiny model, float32 as its checkpoint, on a thread).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 parse and match the schema), none, auto (parsed from the output), streamed tool-call deltas,
 the follow-up turn, 400s naming the field, and the official `openai` client against SmolLM2.
 
-The harness of test_structured_api.py: the ingress on its own server over a real engine.
+The harness of conftest.py: the ingress on its own server over a real engine.
 """
 from __future__ import annotations
 
