@@ -181,6 +181,14 @@ def test_token_id_prompts_chat_and_progress_bar(llama_path, capsys):
     rendered = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False,
                                        add_generation_prompt=True)
     assert chat.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
+    # vLLM's arguments: the same prompt the server renders for tools and template variables.
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    conv = [{"role": "user", "content": "Hi there"}]
+    with_tools = llm.chat(conv, params, use_tqdm=False, tools=[tool])[0]
+    assert "get_weather" in tok.decode(with_tools.prompt_token_ids)
+    bare = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False)[0]
+    assert bare.prompt_token_ids == tok.encode(tok.apply_chat_template(conv, tokenize=False),
+                                               add_special_tokens=False)
 
 
 # How far a half-precision engine's first logprob may sit from fp32's on the tiny model. CPU

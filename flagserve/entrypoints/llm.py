@@ -9,6 +9,8 @@ from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.llm_engine import LLMEngine
 from flagserve.engine.outputs import RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
+from flagserve.entrypoints.openai.tools import template_message
 
 # A string, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
 Prompt = str | list[int] | dict
@@ -29,6 +31,7 @@ class LLM:
     def __init__(self, model: str, **engine_args):
         self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = count()
+        self._chat: PromptTokenizer | None = None  # the chat template, made on first use
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -71,13 +74,16 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate replies to conversations rendered with the model's chat template."""
+             use_tqdm: bool = True, *, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+             ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the model's chat template, as the
+        server renders /v1/chat/completions' (vLLM's arguments; tool calls are not parsed)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.get_tokenizer()
-        # The template already holds any BOS token: encode without adding special tokens.
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template(conv, tokenize=False,
-                                                                  add_generation_prompt=True),
-                                    add_special_tokens=False)
+        if self._chat is None:
+            self._chat = PromptTokenizer(self.get_tokenizer())
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        prompts = [self._chat.encode_chat([template_message(m) for m in conv], add_generation_prompt,
+                                          kwargs or None, describe_tools=bool(tools))
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
