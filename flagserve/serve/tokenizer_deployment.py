@@ -1,7 +1,7 @@
 """The tokenizer as a deployment of its own (`tokenizer.num_replicas >= 1`; default 0: the
 ingress tokenizes). When it is worth its round trip per request: README, "The serving graph".
 
-Each method but info is PromptTokenizer's `<name>_async`: the ingress calls either by the
+Each method is PromptTokenizer's `<name>_async`: the ingress calls either by the
 same name (ingress.call_tokenizer)."""
 from __future__ import annotations
 
@@ -39,4 +39,4 @@ class TokenizerDeployment:
         return await self.tokenizer.token_strs_async(ids)
 
     async def info(self) -> dict[str, Any]:
-        return self.tokenizer.info()
+        return await self.tokenizer.info_async()

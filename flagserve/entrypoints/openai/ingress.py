@@ -374,9 +374,7 @@ class OpenAIIngress:
         model = request.query_params.get("model")
         route = self._route(model)
         if route.module_id not in self.tokenizer_infos:  # a tokenizer's config never changes
-            local = self.tokenizers.get(route.module_id)
-            self.tokenizer_infos[route.module_id] = (
-                local.info() if local is not None else await route.tokenizer.info.remote())
+            self.tokenizer_infos[route.module_id] = await call_tokenizer(self.tokenizers, route, "info")
         # The served context, not the tokenizer file's model_max_length (often a placeholder).
         return JSONResponse({**self.tokenizer_infos[route.module_id],
                              "model_max_length": (await self._info(route)).max_model_len,

@@ -147,6 +147,9 @@ class PromptTokenizer:
     async def token_strs_async(self, ids: list[int]) -> list[str]:
         return await self._run(len(ids), self.token_strs, ids)
 
+    async def info_async(self) -> dict[str, Any]:
+        return self.info()  # a few attributes: inline
+
     async def _run(self, size: int, work: Any, *args: Any) -> Any:
         if size <= INLINE_CHARS:
             return work(*args)
