@@ -70,15 +70,16 @@ def parse_args() -> argparse.Namespace:
                         help="tokens per prefill batch (batch = this // prompt length)")
     parser.add_argument("--extend-chunk", type=int, default=512,
                         help="new tokens per sequence in the chunked-prefill (extend) cases")
-    parser.add_argument("--extend-cached", type=int, nargs="+", default=[2048, 8192],
+    parser.add_argument("--extend-cached", type=int, nargs="*", default=[2048, 8192],
                         help="cached prefix lengths of the extend cases (batch 4)")
     parser.add_argument("--peak-gbps", type=float, help="peak HBM bandwidth, overrides detection")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time CUDA-graph replays (triton.testing.do_bench_cudagraph)")
-    parser.add_argument("--sweep-tiles", action="store_true",
+    parser.add_argument("--sweep-tiles", nargs="?", const="all", choices=("all", "own-rows"),
                         help="also time every tile of decode_sweep_space (on the chosen decode "
                              "path) and prefill_sweep_space, to retune DECODE_TILES and "
-                             "PREFILL_TILES (triton_attention_tuning.py)")
+                             "PREFILL_TILES (triton_attention_tuning.py); own-rows: only whole "
+                             "prompts over their own K/V rows")
     parser.add_argument("--sweep-splits", action="store_true",
                         help="decode: also time split-K at every count of SPLIT_COUNTS (1 = the "
                              "single pass; at least 16 positions a split), to retune the path "
@@ -197,7 +198,7 @@ def decode_case(args, shape: Shape, batch: int, context: int, dtype, device,
         row["by_splits"] = {n: 1e3 * bench_ms(lambda n=n: paged_decode_attention_triton(
             q, k_cache, v_cache, tables, seq_lens, scale, num_splits=n), args.cuda_graph)
             for n in SPLIT_COUNTS if n == 1 or 16 * n <= context}
-    if args.sweep_tiles:
+    if args.sweep_tiles == "all":
         from kernels._triton_utils import next_pow2
         from kernels.triton_attention_tuning import decode_sweep_space, decode_tile
         block_d = next_pow2(shape.head_dim)
@@ -382,7 +383,7 @@ def prefill_case(args, shape: Shape, batch: int, q_len: int, cached: int, dtype,
     out = paged_prefill_attention_triton(*args_)
     t_ms = bench_ms(lambda: paged_prefill_attention_triton(*args_), args.cuda_graph)
     sweep = {}
-    if args.sweep_tiles:
+    if args.sweep_tiles == "all":
         from kernels._triton_utils import next_pow2
         from kernels.triton_attention_tuning import prefill_sweep_space, prefill_tile
         block_d = next_pow2(shape.head_dim)
@@ -401,9 +402,39 @@ def prefill_case(args, shape: Shape, batch: int, q_len: int, cached: int, dtype,
     err = (out.float() - ref.transpose(1, 2).reshape_as(out).float()).abs().max().item()
     s_ms = sdpa_best_ms(q4, k, v, dict(scale=scale, **sdpa_kwargs), args.cuda_graph)
     flops = batch * causal_flops(q_len, kv_len, shape.num_q_heads, shape.head_dim)
-    return dict(kind="extend" if cached else "prefill", batch=batch, q_len=q_len, cached=cached,
-                triton_us=t_ms * 1e3, tflops=flops / t_ms / 1e9, sdpa_us=s_ms * 1e3,
-                sdpa_tflops=flops / s_ms / 1e9, err=err, **sweep)
+    row = dict(kind="extend" if cached else "prefill", batch=batch, q_len=q_len, cached=cached,
+               triton_us=t_ms * 1e3, tflops=flops / t_ms / 1e9, sdpa_us=s_ms * 1e3,
+               sdpa_tflops=flops / s_ms / 1e9, err=err, **sweep)
+    if cached == 0:  # whole prompts: also over their own K/V rows, without the block table
+        k_rows, v_rows = (x.transpose(1, 2).flatten(0, 1) for x in (k, v))
+        row.update(own_rows_case(args, (q, k_rows, v_rows, cu_seqlens, scale), ref, out))
+    return row
+
+
+def own_rows_case(args, rows_args: tuple, ref: torch.Tensor, paged_out: torch.Tensor) -> dict:
+    """prefill_attention_triton (the prompts' own K/V rows) with pointer loads and, where the
+    GPU has them (sm_90+), tensor descriptors: microseconds and max error vs SDPA; with
+    --sweep-tiles, every tile of the sweep space on the descriptor path (else pointers)."""
+    from kernels.triton_prefill_attention import prefill_attention_triton
+    q = rows_args[0]
+    ref = ref.transpose(1, 2).reshape_as(q).float()
+    has_tma = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    result = {}
+    paths = [("rows", False)] + [("desc", True)] * (has_tma and not q.shape[-1] & (q.shape[-1] - 1))
+    for name, descriptor in paths:
+        def fn(descriptor=descriptor, tile=None):
+            return prefill_attention_triton(*rows_args, descriptor=descriptor, tile=tile)
+        result[f"{name}_err"] = (fn().float() - ref).abs().max().item()
+        result[f"{name}_us"] = 1e3 * bench_ms(fn, args.cuda_graph)
+    if args.sweep_tiles:  # the last path timed: descriptors where there are any
+        from kernels._triton_utils import next_pow2
+        from kernels.triton_attention_tuning import prefill_sweep_space, prefill_tile
+        block_d = next_pow2(q.shape[-1])
+        result["own_rows_sweep"] = dict(
+            table_tile=prefill_tile(block_d, q.dtype), triton_us=result[f"{name}_us"],
+            tiles=sweep_tiles(args, paged_out, prefill_sweep_space(block_d, q.dtype),
+                              lambda tile: fn(tile=tile)))
+    return result
 
 
 def run_prefill(args, shape: Shape, dtype, device) -> list[dict]:
@@ -423,6 +454,15 @@ def run_prefill(args, shape: Shape, dtype, device) -> list[dict]:
               f"{r['sdpa_us'] / r['triton_us']:>7.2f}x {r['err']:>8.1e}")
         if "tiles" in r:
             print(format_sweep(r))
+        for name, what in (("rows", "pointers"), ("desc", "descriptors")):
+            if f"{name}_us" in r:
+                us = r[f"{name}_us"]
+                print(f"{'':>6} own K/V rows, {what}: {us:.1f} us {r['tflops'] * r['triton_us'] / us:.1f}"
+                      f" TFLOP/s {r['sdpa_us'] / us:.2f}x sdpa, err {r[f'{name}_err']:.1e}")
+        if "own_rows_sweep" in r:
+            own = dict(r.pop("own_rows_sweep"), kind="prefill-own-rows", head_dim=shape.head_dim)
+            print(format_sweep(own))
+            rows.append(own)
     return rows
 
 
@@ -454,13 +494,18 @@ def summarize_decode(rows: list[dict]) -> None:
 def summarize_prefill(rows: list[dict]) -> None:
     """Per head_dim: the worst ratio to SDPA of whole prompts and of extends (target 0.9x)."""
     for head_dim in sorted({r["head_dim"] for r in rows}):
-        for kind, cached in (("prefill", False), ("extend", True)):
-            mine = [r for r in rows if r["head_dim"] == head_dim and bool(r["cached"]) == cached]
+        for kind in ("prefill", "extend"):
+            mine = [r for r in rows if r["head_dim"] == head_dim and r["kind"] == kind]
             if mine:
                 worst = min(mine, key=lambda r: r["sdpa_us"] / r["triton_us"])
                 print(f"{kind} D={head_dim}: worst {worst['sdpa_us'] / worst['triton_us']:.2f}x "
                       f"SDPA (new {worst['q_len']}, cached {worst['cached']}); best "
                       f"{max(r['tflops'] for r in mine):.1f} TFLOP/s")
+        for name, what in (("rows", "pointers"), ("desc", "descriptors")):
+            mine = [r for r in rows if r["head_dim"] == head_dim and f"{name}_us" in r]
+            if mine:
+                worst = min(r["sdpa_us"] / r[f"{name}_us"] for r in mine)
+                print(f"prefill D={head_dim} over own K/V rows, {what}: worst {worst:.2f}x SDPA")
 
 
 def run_all(args, dtype, device, peak_gbps: float | None) -> list[dict]:
@@ -498,7 +543,7 @@ def cpu_smoke(args: argparse.Namespace) -> int:
                       extend_cached=[24], cuda_graph=False)
     print("cpu smoke: tiny shapes in the Triton interpreter (timings are meaningless)")
     rows = run_all(args, torch.float32, torch.device("cpu"), None)
-    worst = max(r["err"] for r in rows)
+    worst = max(r.get(key, 0.0) for r in rows for key in ("err", "rows_err", "desc_err"))
     print(f"cpu smoke {'OK' if worst < 1e-4 else 'FAILED'}: max err vs SDPA {worst:.1e}")
     return 0 if worst < 1e-4 else 1
 

@@ -44,6 +44,7 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
        tests/test_async_scheduling.py tests/test_disaggregation.py
        tests/test_disaggregation_gloo.py tests/test_shard_weights.py
        tests/test_structured_outputs.py tests/test_prompt_logprobs.py tests/api/test_engine_core.py
+       tests/kernels/test_triton_prefill_rows.py
        tests/bench/test_throughput_shapes.py)
 # The runs in the order they are worth: batch-1 latency and nano-vllm's workload (the targets,
 # with the engine's defaults: CUDA graphs and async scheduling), the suite, the kernels' table,
@@ -51,7 +52,7 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
 # buy, and a figure even if capture fails), then the tile sweeps.
 ALL=(latency_qwen3 nanovllm_qwen3 nanovllm_qwen3_repeat tests attention decode_order latency_llama3_8b
      nanovllm_qwen3_sync nanovllm_qwen3_4k latency_qwen3_sync latency_qwen3_eager attention_graph
-     decode_splits prefill_sweep attention_autotune attention_sweep)
+     decode_splits prefill_own_rows prefill_sweep attention_autotune attention_sweep)
 
 # name -> "limit-seconds command..." (the command sees $logs/<name>.json for --json)
 spec() {
@@ -88,6 +89,10 @@ spec() {
     # retuning PREFILL_TILES needs.
     prefill_sweep) echo 240 "$py" benchmarks/attention.py --dtype bfloat16 --only prefill \
       --sweep-tiles --head-dims 128 256 --prefill-lens 512 4096 --extend-cached 2048 ;;
+    # Whole prompts over their own K/V rows (pointers, TMA descriptors): every tile on the
+    # descriptor path, to retune PREFILL_TILES for them.
+    prefill_own_rows) echo 200 "$py" benchmarks/attention.py --dtype bfloat16 --only prefill \
+      --sweep-tiles own-rows --head-dims 128 256 --prefill-lens 512 4096 --extend-cached ;;
     attention_graph) echo 60 "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph \
       --only decode ;;
     # The prefill tiles triton.autotune picks (printed), against the table's in `attention`.
@@ -106,7 +111,7 @@ parallel_args() {  # xdist by file (module fixtures build their models once); a 
 
 # The lines of a run's log worth reading in the summary.
 figures() {
-  grep -E "ms per token|output tok/s|start-up|roofline|outside the model|Triton kernel variants|^(decode|prefill|extend) D=|^decode order|passed|failed|FAILED|ERROR|Error" \
+  grep -E "ms per token|output tok/s|start-up|roofline|outside the model|Triton kernel variants|^(decode|prefill|extend|prefill-own-rows) D=|own K/V rows|^decode order|passed|failed|FAILED|ERROR|Error" \
     "$logs/$1.log" | grep -v "^  " | tail -n 12 | sed 's/^/    /'
 }
 

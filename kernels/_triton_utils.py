@@ -19,6 +19,12 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
+@functools.cache
+def has_tma(device: torch.device) -> bool:
+    """The GPU has the tensor memory accelerator (Hopper, sm_90, and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs keep IEEE products (tf32 would cost ~1e-3 relative error); 16-bit ignore it."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -43,6 +43,9 @@ class KernelOps:
     # paged_decode_attention works through the sequences in a given order: the engine builds
     # one per step (longest first) for it, and none for the others
     orders_decodes: bool = False
+    # Whole prompts over their own K/V rows (q, k, v, cu_seqlens_q, scale), no block table;
+    # ops that have it rotate k in place when rotary_store_kvcache is given rotate_k=True
+    prefill_attention: Callable | None = None
 
 
 TORCH_OPS = KernelOps(

@@ -3,7 +3,10 @@ from kernels.backend import KernelOps
 from kernels.sampling import apply_token_bitmask_torch, argmax_torch, lse_and_ranks_torch
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_decode_attention import paged_decode_attention_triton
-from kernels.triton_prefill_attention import paged_prefill_attention_triton
+from kernels.triton_prefill_attention import (
+    paged_prefill_attention_triton,
+    prefill_attention_triton,
+)
 from kernels.triton_rms_norm import fused_add_rms_norm_triton, rms_norm_triton
 from kernels.triton_rotary_store import rotary_store_kvcache_triton
 
@@ -19,6 +22,7 @@ TRITON_OPS = KernelOps(
     argmax=argmax_torch,
     lse_and_ranks=lse_and_ranks_torch,
     orders_decodes=True,
+    prefill_attention=prefill_attention_triton,
 )
 
 

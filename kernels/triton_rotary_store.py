@@ -45,7 +45,8 @@ def _rotary_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
                          stride_cb, stride_cs, stride_ch, stride_cos,
                          num_q_heads, num_kv_heads, half,
                          QK_NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                         BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         ROTATE_K: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -78,6 +79,9 @@ def _rotary_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
                                       kw_ptr, cos, sin, eps, half, d, QK_NORM)
                 tl.store(k_cache_ptr + dst, o1.to(k_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(k_cache_ptr + dst + half, o2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                if ROTATE_K:  # whole prompts attend over these rows (prefill_attention_triton)
+                    tl.store(src, o1.to(k_ptr.dtype.element_ty), mask=mask)
+                    tl.store(src + half, o2.to(k_ptr.dtype.element_ty), mask=mask)
                 src = v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
                 for part in tl.static_range(2):  # v's halves: the same addressing as k's
                     v = tl.load(src + part * half, mask=mask)
@@ -90,19 +94,20 @@ def rotary_store_kvcache_triton(positions: torch.Tensor, q: torch.Tensor, k: tor
                                 slot_mapping: torch.Tensor, cos_sin_cache: torch.Tensor,
                                 q_norm_weight: torch.Tensor | None = None,
                                 k_norm_weight: torch.Tensor | None = None,
-                                eps: float = 0.0) -> torch.Tensor:
-    """Same contract as rotary_store_kvcache_torch; q is rotated in place and returned."""
+                                eps: float = 0.0, *, rotate_k: bool = False) -> torch.Tensor:
+    """Same contract as rotary_store_kvcache_torch; q is rotated in place and returned.
+    rotate_k: k too (normalised and rotated as stored), for attention over k's own rows."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
-    assert q.stride(-1) == 1, "in-place rotary needs unit stride on head_dim"
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "in-place rotary needs unit stride on head_dim"
     assert q.dtype == k.dtype == v.dtype and k_cache.stride() == v_cache.stride()
     qk_norm = q_norm_weight is not None
     if qk_norm:  # the reference's output dtype would be promoted otherwise
         assert q_norm_weight.dtype == k_norm_weight.dtype == q.dtype
     if num_tokens == 0:
         return q
-    k, v = last_dim_contiguous(k), last_dim_contiguous(v)
+    v = last_dim_contiguous(v)
     half = head_dim // 2
     block_half = next_pow2(half)
     block_h = min(next_pow2(max(num_q_heads, num_kv_heads)), max(1, 2048 // block_half))
@@ -113,5 +118,5 @@ def rotary_store_kvcache_triton(positions: torch.Tensor, q: torch.Tensor, k: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
         num_q_heads, num_kv_heads, half,
         QK_NORM=qk_norm, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=4)
+        ROTATE_K=rotate_k, num_warps=4)
     return q

@@ -100,10 +100,13 @@ def test_greedy_matches_transformers_on_triton_kernels(arch, tiny_model_factory,
     path = tiny_model_factory(arch)
     llm = LLM(path, dtype="float32", attention_backend="triton")
     prompts = [PROMPTS[1], PROMPTS[3]]  # one decode-heavy, one several blocks long
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ref = hf_greedy(path, prompts, 8)
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    # whole prompts (prefill_attention), then the same prompts on their cached prefixes
+    # (paged_prefill_attention)
+    for _ in range(2):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
     # The grammar's mask runs only for a constrained request (tests/test_structured_outputs.py),
     # logprobs' log-sum-exp and ranks only when they are asked for (the tests below).
     assert set(calls) == set(spied) - {"apply_token_bitmask", "lse_and_ranks"}, "every op ran on Triton"

@@ -117,6 +117,7 @@ class StepBuffers:
         self._fill_tokens(step, num_new, tables, pad_to or step.num_tokens, decode_only)
         self.host["seq_lens"][n:rows] = 1
         num_decodes = pad_to or ones  # decodes come first
+        whole_prompts = num_decodes == 0 and not any(step.start_positions)
         if self.order_decodes:  # longest first; padded rows (length 1) last
             self.host["decode_order"][:num_decodes] = np.argsort(
                 -self.host["seq_lens"][:num_decodes], kind="stable")
@@ -135,7 +136,7 @@ class StepBuffers:
         used = self._used(pad_to or step.num_tokens, rows, width, num_prefills, k, pending,
                           num_decodes if self.order_decodes else 0)
         self._upload(used)
-        return self._batch(used, num_decodes, width, step.num_tokens, bool(pad_to))
+        return self._batch(used, num_decodes, width, step.num_tokens, bool(pad_to), whole_prompts)
 
     def _fill_tables(self, tables: list[list[int]], lens: list[int], rows: int, width: int) -> np.ndarray:
         """[rows, width] block tables, zero past each sequence's blocks and in padded rows."""
@@ -183,23 +184,25 @@ class StepBuffers:
         self.copied.record()
 
     def _batch(self, used: dict[str, int], num_decodes: int, width: int, num_tokens: int,
-               padded: bool) -> PreparedBatch:
-        key = (*used.values(), num_decodes, width, num_tokens, padded)
+               padded: bool, whole_prompts: bool = False) -> PreparedBatch:
+        key = (*used.values(), num_decodes, width, num_tokens, padded, whole_prompts)
         batch = self._batches.get(key)
         if batch is None:
             if len(self._batches) >= 1024:  # tables widen as sequences grow: keep it bounded
                 self._batches.clear()
-            batch = self._batches[key] = self._new_batch(used, num_decodes, width, num_tokens, padded)
+            batch = self._batches[key] = self._new_batch(used, num_decodes, width, num_tokens,
+                                                         padded, whole_prompts)
         return batch
 
     def _new_batch(self, used: dict[str, int], num_decodes: int, width: int, num_tokens: int,
-                   padded: bool) -> PreparedBatch:
+                   padded: bool, whole_prompts: bool) -> PreparedBatch:
         views = {name: self.device_bufs[name][:count] for name, count in used.items()}
         meta = AttentionMetadata(num_decode_tokens=num_decodes, slot_mapping=views["slot_mapping"],
                                  seq_lens=views["seq_lens"],
                                  block_tables=views["block_tables"].view(-1, width),
                                  cu_seqlens_q=views["cu_seqlens_q"],
-                                 decode_order=views["decode_order"] if used["decode_order"] else None)
+                                 decode_order=views["decode_order"] if used["decode_order"] else None,
+                                 whole_prompts=whole_prompts)
         pending = (None, None)
         if used["pending_rows"]:
             pending = (views["pending_positions"], views["pending_rows"])

@@ -24,7 +24,13 @@ class PagedAttention(nn.Module):
                 k_norm: RMSNorm | None = None) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] straight from the qkv projection -> [T, Hq, D].
         The optional q/k norms, rotary and the cache store run first, as one fused op."""
-        q = rotary(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, q_norm, k_norm)
+        # Whole prompts (nothing cached, no decodes) attend over their own rotated keys, where
+        # the ops can: no block-table gathers.
+        own_rows = meta.whole_prompts and self.ops.prefill_attention is not None
+        q = rotary(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, q_norm, k_norm,
+                   rotate_k=own_rows)
+        if own_rows:
+            return self.ops.prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             return self.ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,

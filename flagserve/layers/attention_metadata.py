@@ -21,3 +21,5 @@ class AttentionMetadata:
     # [num_decode_tokens] int32: the decodes by descending seq_len, the order the decode kernel
     # launches them in (kernels/triton_decode_attention.py); None where the kernel takes none
     decode_order: torch.Tensor | None = None
+    # No decodes and nothing cached before any prefill: every sequence is a whole prompt
+    whole_prompts: bool = False

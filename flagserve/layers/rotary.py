@@ -48,12 +48,14 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                rotate_k: bool = False) -> torch.Tensor:
         """Rotates q and k (after Qwen3's per-head q/k RMSNorm when given) and stores k and v
         at their cache slots, as one fused op. Returns the query to attend with; q and k are
-        scratch afterwards (the Triton op rotates q in place)."""
-        norm = {}
+        scratch afterwards (the Triton op rotates q in place), unless rotate_k (only ops with
+        a prefill_attention take it): then k holds the keys as stored."""
+        kwargs = dict(rotate_k=True) if rotate_k else {}
         if q_norm is not None:
-            norm = dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, eps=q_norm.eps)
+            kwargs.update(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, eps=q_norm.eps)
         return self.ops.rotary_store_kvcache(positions, q, k, v, k_cache, v_cache, slot_mapping,
-                                             self.cos_sin_cache, **norm)
+                                             self.cos_sin_cache, **kwargs)

@@ -17,13 +17,18 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 import kernels.triton_ops  # noqa: E402,F401  (imports every kernel module)
 from kernels._triton_utils import next_pow2  # noqa: E402
 from kernels.triton_activation import silu_and_mul_triton  # noqa: E402
 from kernels.triton_attention_tuning import decode_tile, prefill_tile  # noqa: E402
 from kernels.triton_decode_attention import paged_decode_attention_triton  # noqa: E402
-from kernels.triton_prefill_attention import paged_prefill_attention_triton  # noqa: E402
+from kernels.triton_prefill_attention import (  # noqa: E402
+    paged_prefill_attention_triton,
+    prefill_attention_triton,
+)
 from kernels.triton_rms_norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from kernels.triton_rotary_store import rotary_store_kvcache_triton  # noqa: E402
 
@@ -51,6 +56,8 @@ def _compile(fn, args: tuple, kwargs: dict) -> str:
             divisible = value.data_ptr() % 16 == 0
         elif isinstance(value, float):
             signature[name], divisible = "fp32", False
+        elif isinstance(value, TensorDescriptor):  # the JIT's own name of its type
+            signature[name], divisible = mangle_type(value), False
         else:
             signature[name] = "i32" if abs(value) < 2 ** 31 else "i64"
             divisible = value % 16 == 0
@@ -107,12 +114,24 @@ def cases():
         return lambda: paged_prefill_attention_triton(t(99, hq, d, dtype=dtype), k_cache, k_cache,
                                                       tables, cu, lens, 0.1)
 
+    def own_rows(hq, hkv, d, dtype, descriptor):
+        kv = t(99, hkv, d, dtype=dtype)
+        cu = torch.tensor([0, 1, 2, 50, 99], dtype=torch.int32)
+        return lambda: prefill_attention_triton(t(99, hq, d, dtype=dtype), kv, kv, cu, 0.1,
+                                                descriptor=descriptor)
+
     for num_splits in (1, 4, 0):
         kind = f"decode/{num_splits}" if num_splits else "prefill"
         for hq, hkv, d, bs, dtype in ATTENTION_SHAPES:
             label = f"{kind} Hq={hq} Hkv={hkv} D={d} bs={bs} {TYPES[dtype]}"
             tile = (decode_tile if num_splits else prefill_tile)(next_pow2(d), dtype)
             yield label, attention(hq, hkv, d, bs, dtype, num_splits), tile.spills
+    for hq, hkv, d, _, dtype in ATTENTION_SHAPES:
+        # descriptors where the wrapper picks them: 16-bit, head_dim a power of two
+        for descriptor in (False, True)[:1 + (d == next_pow2(d) and dtype != torch.float32)]:
+            label = (f"prefill own rows ({'descriptors' if descriptor else 'pointers'}) "
+                     f"Hq={hq} Hkv={hkv} D={d} {TYPES[dtype]}")
+            yield label, own_rows(hq, hkv, d, dtype, descriptor), prefill_tile(next_pow2(d), dtype).spills
     bf16 = dict(dtype=torch.bfloat16)
     yield "rms_norm H=4096 bf16", lambda: rms_norm_triton(t(4, 4096, **bf16), t(4096, **bf16), 1e-6), False
     yield "fused_add_rms_norm H=8192 bf16", lambda: fused_add_rms_norm_triton(

@@ -91,15 +91,20 @@ def test_chunked_prefill_then_decode_through_ops(dtype):
                                  device=DEVICE)
         tables = table[[s for s, _, _ in step]]
         outs = {}
+        whole = all(p == 0 for _, p, _ in step)  # the engine's prefill_attention step
+        cu = torch.tensor([0] + list(torch.tensor([n for _, _, n in step]).cumsum(0)),
+                          dtype=torch.int32, device=DEVICE)
         for name, ops in (("torch", TORCH_OPS), ("triton", triton_ops)):
-            qr = ops.rotary_store_kvcache(positions, q.clone(), k.clone(), v, *caches[name],
-                                          slot_mapping, cos_sin)
-            if all(n == 1 for _, _, n in step):
+            kr = k.clone()
+            qr = ops.rotary_store_kvcache(positions, q.clone(), kr, v, *caches[name],
+                                          slot_mapping, cos_sin,
+                                          **(dict(rotate_k=True) if name == "triton" else {}))
+            if whole and name == "triton":
+                outs[name] = ops.prefill_attention(qr[:-1], kr[:-1], v[:-1], cu, 0.125)
+            elif all(n == 1 for _, _, n in step):
                 outs[name] = ops.paged_decode_attention(qr[:-1], *caches[name], tables, seq_lens,
                                                         0.125)
             else:
-                cu = torch.tensor([0] + list(torch.tensor([n for _, _, n in step]).cumsum(0)),
-                                  dtype=torch.int32, device=DEVICE)
                 outs[name] = ops.paged_prefill_attention(qr[:-1], *caches[name], tables, cu,
                                                          seq_lens, 0.125)
         assert torch.equal(caches["torch"][1], caches["triton"][1])  # V: a copy

@@ -58,8 +58,9 @@ def assert_rotated_close(out, ref, x, positions, table, weight):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
-@pytest.mark.parametrize("hq,hkv,head_dim", [(4, 4, 64), (8, 2, 80), (16, 8, 128)])
-def test_matches_reference(hq, hkv, head_dim, qk_norm, dtype):
+@pytest.mark.parametrize("hq,hkv,head_dim,rotate_k", [(4, 4, 64, False), (8, 2, 80, True),
+                                                     (16, 8, 128, False), (16, 8, 128, True)])
+def test_matches_reference(hq, hkv, head_dim, rotate_k, qk_norm, dtype):
     gen = torch.Generator().manual_seed(0)
     qkv, (q, k, v), positions, slots, cache = make_inputs(13, hq, hkv, head_dim, dtype, gen)
     weights = {}
@@ -73,7 +74,7 @@ def test_matches_reference(hq, hkv, head_dim, qk_norm, dtype):
     caches = [cache.clone(), (-cache).clone()]
     v_before, q_before, k_before = v.clone(), q.clone(), k.clone()
     out_q = rotary_store_kvcache_triton(positions, q, k, v, *caches, slots, table, eps=1e-6,
-                                        **weights)
+                                        rotate_k=rotate_k, **weights)
     assert out_q.data_ptr() == q.data_ptr()  # rotated in place, inside the qkv output
     assert_rotated_close(out_q, ref_q, q_before, positions, table, weights.get("q_norm_weight"))
     stored = slots >= 0
@@ -86,6 +87,9 @@ def test_matches_reference(hq, hkv, head_dim, qk_norm, dtype):
     assert torch.equal(caches[0][untouched], ref_caches[0][untouched])  # padding slots unwritten
     assert torch.equal(caches[1], ref_caches[1])  # V: a copy, padding slots untouched
     assert torch.equal(v, v_before)
+    # rotate_k: k's rows with a slot hold what was stored (prefill_attention reads them)
+    assert torch.equal(k[stored], caches[0][blocks, offsets]) == rotate_k
+    assert torch.equal(k[~stored], k_before[~stored])
 
 
 def test_all_padding_and_empty():
