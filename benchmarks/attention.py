@@ -238,8 +238,8 @@ def sweep_tiles(args, out: torch.Tensor, space: list, run) -> dict:
 
 def tile_name(tile) -> str:
     rows = f"M{tile.block_m}/" if tile.block_m != 16 else ""  # decode's rows are always 16
-    lazy = "/lazy" if tile.lazy_rescale else ""
-    return f"{rows}N{tile.block_n}/w{tile.num_warps}/s{tile.num_stages}{lazy}"
+    flags = "/lazy" * tile.lazy_rescale + "/ws" * tile.warp_specialize
+    return f"{rows}N{tile.block_n}/w{tile.num_warps}/s{tile.num_stages}{flags}"
 
 
 def format_sweep(row: dict) -> str:
@@ -249,7 +249,8 @@ def format_sweep(row: dict) -> str:
     best = min(timed, key=timed.get)
     table_us = timed.get(table_tile, row.get("auto_us", row.get("triton_us")))
     # the best tile's other rescale, where swept: the lazy rescale's own share of a win
-    twin = dataclasses.replace(best, lazy_rescale=not best.lazy_rescale)
+    flag = "warp_specialize" if row["kind"] == "prefill-own-rows" else "lazy_rescale"
+    twin = dataclasses.replace(best, **{flag: not getattr(best, flag)})
     return (f"{'':>6} tiles: best {tile_name(best)} {timed[best]:.1f} us, table "
             f"{tile_name(table_tile)} {table_us:.1f} us ({table_us / timed[best]:.2f}x)"
             + (f"; {tile_name(twin)} {timed[twin]:.1f} us" if twin in timed else "")
@@ -428,11 +429,11 @@ def own_rows_case(args, rows_args: tuple, ref: torch.Tensor, paged_out: torch.Te
         result[f"{name}_us"] = 1e3 * bench_ms(fn, args.cuda_graph)
     if args.sweep_tiles:  # the last path timed: descriptors where there are any
         from kernels._triton_utils import next_pow2
-        from kernels.triton_attention_tuning import prefill_sweep_space, prefill_tile
+        from kernels.triton_attention_tuning import own_rows_tile, prefill_sweep_space
         block_d = next_pow2(q.shape[-1])
         result["own_rows_sweep"] = dict(
-            table_tile=prefill_tile(block_d, q.dtype), triton_us=result[f"{name}_us"],
-            tiles=sweep_tiles(args, paged_out, prefill_sweep_space(block_d, q.dtype),
+            table_tile=own_rows_tile(block_d, q.dtype, descriptor), triton_us=result[f"{name}_us"],
+            tiles=sweep_tiles(args, paged_out, prefill_sweep_space(block_d, q.dtype, True),
                               lambda tile: fn(tile=tile)))
     return result
 

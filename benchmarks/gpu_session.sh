@@ -43,7 +43,7 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
        tests/test_scheduling.py tests/test_prefix_cache.py tests/test_tiny_model.py
        tests/test_async_scheduling.py tests/test_disaggregation.py
        tests/test_disaggregation_gloo.py tests/test_shard_weights.py
-       tests/test_structured_outputs.py tests/test_prompt_logprobs.py tests/api/test_engine_core.py
+       tests/test_structured_outputs.py tests/test_prompt_logprobs.py
        tests/kernels/test_triton_prefill_rows.py
        tests/bench/test_throughput_shapes.py)
 # The runs in the order they are worth: batch-1 latency and nano-vllm's workload (the targets,

@@ -31,6 +31,9 @@ class Tile:
     # (triton_paged_attend.py). Not in the table until a GPU measures it faster (the sweep
     # times every tile both ways).
     lazy_rescale: bool = False
+    # Whole prompts over their own rows: the key loop warp-specialised by Triton (producer
+    # warps issue the TMA loads, consumers the dots). Not in a table until a GPU measures it.
+    warp_specialize: bool = False
 
 
 # Decode is bandwidth-bound with only 16 (padded) query rows: registers and shared memory go
@@ -53,6 +56,14 @@ PREFILL_TILES = {64: Tile(128, 64, 8, 3), 128: Tile(128, 32, 4, 2, spills=True),
                  256: Tile(128, 64, 8, 2, spills=True)}
 PREFILL_TILE_FP32 = Tile(32, 16, 8, 2)  # IEEE FMA dots need far more registers
 
+# Whole prompts over their own K/V rows (triton_prefill_attention.prefill_attention_triton),
+# K/V tiles through tensor descriptors (TMA): the head_dims here (on sm_90+, 16-bit); the
+# others load through pointers with the paged table's tile. Measured on an H200
+# (docs/performance.md, GPU, 2026-11-28): descriptors 1-4% faster than pointers at 128 and
+# 256 and 3-5% slower at 64; at 128, 64-key tiles 1.17x the paged table's 32 (geometric mean
+# over 32 x 512 and 4 x 4,096 tokens; 128 bytes of spills); 256 kept the paged entry.
+OWN_ROWS_TMA_TILES = {128: Tile(128, 64, 4, 2, spills=True), 256: PREFILL_TILES[256]}
+
 
 def _head_dim_class(block_d: int) -> int:
     """Table key of a (power-of-two padded) head_dim: <= 64, <= 128, larger."""
@@ -65,6 +76,10 @@ def decode_tile(block_d: int, dtype: torch.dtype) -> Tile:
 
 def prefill_tile(block_d: int, dtype: torch.dtype) -> Tile:
     return PREFILL_TILE_FP32 if dtype == torch.float32 else PREFILL_TILES[_head_dim_class(block_d)]
+
+
+def own_rows_tile(block_d: int, dtype: torch.dtype, descriptor: bool) -> Tile:
+    return OWN_ROWS_TMA_TILES[block_d] if descriptor else prefill_tile(block_d, dtype)
 
 
 def autotune_enabled(device: torch.device) -> bool:
@@ -91,14 +106,18 @@ def decode_sweep_space(block_d: int, dtype: torch.dtype) -> list[Tile]:
             if 2 * n * block_d * elem * s <= 112 * 1024]
 
 
-def prefill_sweep_space(block_d: int, dtype: torch.dtype) -> list[Tile]:
+def prefill_sweep_space(block_d: int, dtype: torch.dtype, own_rows: bool = False) -> list[Tile]:
     """Prefill tiles for benchmarks/attention.py --sweep-tiles, BLOCK_M included (autotune
-    cannot vary it): rows x keys x warps x stages whose K/V stages fit in shared memory."""
+    cannot vary it): rows x keys x warps x stages whose K/V stages fit in shared memory. The
+    paged kernel's with and without the lazy rescale; own rows' (no lazy rescale: it measured
+    slower there at every best tile) with and without warp specialisation."""
     if dtype == torch.float32:
         return [PREFILL_TILE_FP32]
     elem = torch.empty((), dtype=dtype).element_size()
-    return [Tile(m, n, w, s, lazy_rescale=lazy) for m in (64, 128) for n in (32, 64, 128)
-            for w in (4, 8) for s in (2, 3) for lazy in (False, True)
+    flags = ([dict(warp_specialize=True), {}] if own_rows
+             else [{}, dict(lazy_rescale=True)])
+    return [Tile(m, n, w, s, **flag) for m in (64, 128) for n in (32, 64, 128)
+            for w in (4, 8) for s in (2, 3) for flag in flags
             if 2 * n * block_d * elem * s + m * block_d * elem <= 200 * 1024]
 
 

@@ -194,3 +194,25 @@ def test_sequences_that_reach_max_model_len(llama_path, prompts):
     assert all(len(p) + len(o.outputs[0].token_ids) == 48 and o.outputs[0].finish_reason == "length"
                for p, o in zip(short, overlapped))
     assert llm.llm_engine.block_manager.num_free_blocks == 24
+
+
+def test_no_step_past_max_tokens_or_model_length(llama_path, prompts, monkeypatch):
+    """A sequence whose last token (by max_tokens or max_model_len) is in flight gets no step
+    after it: async runs exactly the rows the step-by-step engine runs."""
+    rows = []
+
+    def counted(run):
+        def spy(self, step):
+            rows[-1] += step.num_tokens
+            return run(self, step)
+        return spy
+    monkeypatch.setattr(InProcessExecutor, "launch", counted(InProcessExecutor.launch))
+    monkeypatch.setattr(InProcessExecutor, "execute", counted(InProcessExecutor.execute))
+    # the last ends by the model's length (prompts of up to 76 tokens)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, None)]
+    for async_scheduling in (False, True):
+        rows.append(0)
+        llm = LLM(llama_path, dtype="float32", async_scheduling=async_scheduling, max_model_len=96)
+        outs = llm.generate(prompts[:3], params, use_tqdm=False)
+        assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 3
+    assert rows[1] == rows[0], rows

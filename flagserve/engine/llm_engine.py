@@ -94,7 +94,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.executor.num_kv_blocks, args.block_size,
                                           args.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, batched, args.enable_chunked_prefill),
+            SchedulerConfig(args.max_num_seqs, batched, args.enable_chunked_prefill,
+                            self.max_model_len),
             self.block_manager)
         self.requests: dict[str, RequestState] = {}
         self.structured = StructuredOutputs(args.tokenizer or args.model, cfg.vocab_size, list(eos),
@@ -397,8 +398,7 @@ class LLMEngine:
                     detok.text = detok.text[:idx + (len(stop) if p.include_stop_str_in_output else 0)]
                     seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
                     return
-            if (p.max_tokens is not None and num_output >= p.max_tokens) \
-                    or num_tokens >= self.max_model_len:
+            if seq.reaches_length(self.max_model_len):
                 seq.finish_reason = FinishReason.LENGTH
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:

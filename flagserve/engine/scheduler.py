@@ -17,6 +17,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    max_model_len: int
 
 
 @dataclass
@@ -51,6 +52,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and seq.reaches_length(self.config.max_model_len):
+                i += 1  # its last token is in flight (async scheduling): a step more is waste
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.append_slots(seq, num_new):
                 victim = self.running.pop()  # the newest; never one already scheduled

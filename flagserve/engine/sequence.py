@@ -60,6 +60,13 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
+    def reaches_length(self, max_model_len: int) -> bool:
+        """Its tokens (pending included) are as many as max_tokens or the model allows: it ends
+        by length once they land, and no step after them may be scheduled."""
+        max_tokens = self.params.max_tokens
+        return ((max_tokens is not None and self.num_output_tokens >= max_tokens)
+                or self.num_tokens >= max_model_len)
+
     @property
     def scores_prompt(self) -> bool:
         """Prompt tokens still to score: their rows must be computed, not found cached."""

@@ -23,7 +23,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 import kernels.triton_ops  # noqa: E402,F401  (imports every kernel module)
 from kernels._triton_utils import next_pow2  # noqa: E402
 from kernels.triton_activation import silu_and_mul_triton  # noqa: E402
-from kernels.triton_attention_tuning import decode_tile, prefill_tile  # noqa: E402
+from kernels.triton_attention_tuning import (  # noqa: E402
+    OWN_ROWS_TMA_TILES,
+    decode_tile,
+    own_rows_tile,
+    prefill_tile,
+)
 from kernels.triton_decode_attention import paged_decode_attention_triton  # noqa: E402
 from kernels.triton_prefill_attention import (  # noqa: E402
     paged_prefill_attention_triton,
@@ -127,11 +132,12 @@ def cases():
             tile = (decode_tile if num_splits else prefill_tile)(next_pow2(d), dtype)
             yield label, attention(hq, hkv, d, bs, dtype, num_splits), tile.spills
     for hq, hkv, d, _, dtype in ATTENTION_SHAPES:
-        # descriptors where the wrapper picks them: 16-bit, head_dim a power of two
-        for descriptor in (False, True)[:1 + (d == next_pow2(d) and dtype != torch.float32)]:
+        # descriptors where the wrapper picks them: 16-bit, head_dims of OWN_ROWS_TMA_TILES
+        for descriptor in (False, True)[:1 + (d in OWN_ROWS_TMA_TILES and dtype != torch.float32)]:
             label = (f"prefill own rows ({'descriptors' if descriptor else 'pointers'}) "
                      f"Hq={hq} Hkv={hkv} D={d} {TYPES[dtype]}")
-            yield label, own_rows(hq, hkv, d, dtype, descriptor), prefill_tile(next_pow2(d), dtype).spills
+            tile = own_rows_tile(next_pow2(d), dtype, descriptor)
+            yield label, own_rows(hq, hkv, d, dtype, descriptor), tile.spills
     bf16 = dict(dtype=torch.bfloat16)
     yield "rms_norm H=4096 bf16", lambda: rms_norm_triton(t(4, 4096, **bf16), t(4096, **bf16), 1e-6), False
     yield "fused_add_rms_norm H=8192 bf16", lambda: fused_add_rms_norm_triton(
