@@ -79,7 +79,9 @@ def prefill_tile(block_d: int, dtype: torch.dtype) -> Tile:
 
 
 def own_rows_tile(block_d: int, dtype: torch.dtype, descriptor: bool) -> Tile:
-    return OWN_ROWS_TMA_TILES[block_d] if descriptor else prefill_tile(block_d, dtype)
+    if descriptor and dtype != torch.float32 and block_d in OWN_ROWS_TMA_TILES:
+        return OWN_ROWS_TMA_TILES[block_d]
+    return prefill_tile(block_d, dtype)
 
 
 def autotune_enabled(device: torch.device) -> bool:
