@@ -91,8 +91,8 @@ spec() {
       --sweep-tiles --head-dims 128 256 --prefill-lens 512 4096 --extend-cached 2048 ;;
     # Whole prompts over their own K/V rows (pointers, TMA descriptors): every tile on the
     # descriptor path, to retune PREFILL_TILES for them.
-    prefill_own_rows) echo 200 "$py" benchmarks/attention.py --dtype bfloat16 --only prefill \
-      --sweep-tiles own-rows --head-dims 128 256 --prefill-lens 512 4096 --extend-cached ;;
+    prefill_own_rows) echo 240 "$py" benchmarks/attention.py --dtype bfloat16 --only prefill \
+      --sweep-tiles own-rows --head-dims 64 128 256 --prefill-lens 512 4096 --extend-cached ;;
     attention_graph) echo 60 "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph \
       --only decode ;;
     # The prefill tiles triton.autotune picks (printed), against the table's in `attention`.
