@@ -238,8 +238,8 @@ def sweep_tiles(args, out: torch.Tensor, space: list, run) -> dict:
 
 def tile_name(tile) -> str:
     rows = f"M{tile.block_m}/" if tile.block_m != 16 else ""  # decode's rows are always 16
-    flags = "/lazy" * tile.lazy_rescale + "/ws" * tile.warp_specialize
-    return f"{rows}N{tile.block_n}/w{tile.num_warps}/s{tile.num_stages}{flags}"
+    lazy = "/lazy" if tile.lazy_rescale else ""
+    return f"{rows}N{tile.block_n}/w{tile.num_warps}/s{tile.num_stages}{lazy}"
 
 
 def format_sweep(row: dict) -> str:
@@ -249,8 +249,7 @@ def format_sweep(row: dict) -> str:
     best = min(timed, key=timed.get)
     table_us = timed.get(table_tile, row.get("auto_us", row.get("triton_us")))
     # the best tile's other rescale, where swept: the lazy rescale's own share of a win
-    flag = "warp_specialize" if row["kind"] == "prefill-own-rows" else "lazy_rescale"
-    twin = dataclasses.replace(best, **{flag: not getattr(best, flag)})
+    twin = dataclasses.replace(best, lazy_rescale=not best.lazy_rescale)
     return (f"{'':>6} tiles: best {tile_name(best)} {timed[best]:.1f} us, table "
             f"{tile_name(table_tile)} {table_us:.1f} us ({table_us / timed[best]:.2f}x)"
             + (f"; {tile_name(twin)} {timed[twin]:.1f} us" if twin in timed else "")

@@ -31,9 +31,6 @@ class Tile:
     # (triton_paged_attend.py). Not in the table until a GPU measures it faster (the sweep
     # times every tile both ways).
     lazy_rescale: bool = False
-    # Whole prompts over their own rows: the key loop warp-specialised by Triton (producer
-    # warps issue the TMA loads, consumers the dots). Not in a table until a GPU measures it.
-    warp_specialize: bool = False
 
 
 # Decode is bandwidth-bound with only 16 (padded) query rows: registers and shared memory go
@@ -61,7 +58,9 @@ PREFILL_TILE_FP32 = Tile(32, 16, 8, 2)  # IEEE FMA dots need far more registers
 # others load through pointers with the paged table's tile. Measured on an H200
 # (docs/performance.md, GPU, 2026-11-28): descriptors 1-4% faster than pointers at 128 and
 # 256 and 3-5% slower at 64; at 128, 64-key tiles 1.17x the paged table's 32 (geometric mean
-# over 32 x 512 and 4 x 4,096 tokens; 128 bytes of spills); 256 kept the paged entry.
+# over 32 x 512 and 4 x 4,096 tokens; 128 bytes of spills); 256 kept the paged entry. Triton
+# 3.6's warp specialisation of the key loop failed to compile at 4 warps and gained nothing
+# at 8 (the same sweep).
 OWN_ROWS_TMA_TILES = {128: Tile(128, 64, 4, 2, spills=True), 256: PREFILL_TILES[256]}
 
 
@@ -110,16 +109,14 @@ def decode_sweep_space(block_d: int, dtype: torch.dtype) -> list[Tile]:
 
 def prefill_sweep_space(block_d: int, dtype: torch.dtype, own_rows: bool = False) -> list[Tile]:
     """Prefill tiles for benchmarks/attention.py --sweep-tiles, BLOCK_M included (autotune
-    cannot vary it): rows x keys x warps x stages whose K/V stages fit in shared memory. The
-    paged kernel's with and without the lazy rescale; own rows' (no lazy rescale: it measured
-    slower there at every best tile) with and without warp specialisation."""
+    cannot vary it): rows x keys x warps x stages whose K/V stages fit in shared memory; the
+    paged kernel's with and without the lazy rescale, own rows' without (it measured slower
+    there at every best tile)."""
     if dtype == torch.float32:
         return [PREFILL_TILE_FP32]
     elem = torch.empty((), dtype=dtype).element_size()
-    flags = ([dict(warp_specialize=True), {}] if own_rows
-             else [{}, dict(lazy_rescale=True)])
-    return [Tile(m, n, w, s, **flag) for m in (64, 128) for n in (32, 64, 128)
-            for w in (4, 8) for s in (2, 3) for flag in flags
+    return [Tile(m, n, w, s, lazy_rescale=lazy) for m in (64, 128) for n in (32, 64, 128)
+            for w in (4, 8) for s in (2, 3) for lazy in ((False,) if own_rows else (False, True))
             if 2 * n * block_d * elem * s + m * block_d * elem <= 200 * 1024]
 
 

@@ -85,7 +85,7 @@ def _rescale(acc, l_i, m_i, m_new):
 def attend_rows(acc, m_i, l_i, q, q_pos, k_src, v_src, row0, col, stride_t, d, lo, hi, qk_scale,
                 MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-                DESCRIPTOR: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
+                DESCRIPTOR: tl.constexpr):
     """attend_paged over positions [lo, hi) whose K/V are rows row0 + position of a plain
     [tokens, heads * head_dim] matrix (a whole prompt's own keys), head columns from col.
 
@@ -94,9 +94,8 @@ def attend_rows(acc, m_i, l_i, q, q_pos, k_src, v_src, row0, col, stride_t, d, l
     past the head, so head_dim == BLOCK_D); else base pointers (already offset by col).
     MASK as attend_paged's ("none" or "causal"); a causal tile's rows past hi (the next
     prompt's, or past the matrix: zeros from the descriptor) are masked out of the scores.
-    WARP_SPECIALIZE: the loop split by Triton into producer (loads) and consumer warps.
     """
-    for n0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < hi
         if DESCRIPTOR:

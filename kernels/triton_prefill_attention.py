@@ -78,7 +78,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     HEADS_FIRST: tl.constexpr, KV_SOURCE: tl.constexpr,
-                    LAZY_RESCALE: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False):
+                    LAZY_RESCALE: tl.constexpr = False):
     pid = tl.program_id(1 if HEADS_FIRST else 0)
     kv_head = tl.program_id(0 if HEADS_FIRST else 1)
     seq, end = _find_tile(pid, cu_seqlens_q_ptr, batch, TILE_TOKENS, BLOCK_B)
@@ -134,12 +134,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
             k_src, v_src = k_rows + col, v_rows + col
         acc, m_i, l_i = attend_rows(acc, m_i, l_i, q, q_pos, k_src, v_src, q_start, col,
                                     stride_rt, d, 0, full_end, qk_scale, "none", HEAD_DIM,
-                                    BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY_RESCALE, desc,
-                                    WARP_SPECIALIZE)
+                                    BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY_RESCALE, desc)
         acc, m_i, l_i = attend_rows(acc, m_i, l_i, q, q_pos, k_src, v_src, q_start, col,
                                     stride_rt, d, full_end, last_pos + 1, qk_scale, "causal",
                                     HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY_RESCALE,
-                                    desc, WARP_SPECIALIZE)
+                                    desc)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=qo_mask)
@@ -228,7 +227,7 @@ def _launch(q, cu_seqlens_q, batch, num_kv_heads, scale, out, tile, kv_source, t
     else:
         kernel = _prefill_kernel
         launch = dict(BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages,
-                      LAZY_RESCALE=tile.lazy_rescale, WARP_SPECIALIZE=tile.warp_specialize)
+                      LAZY_RESCALE=tile.lazy_rescale)
     heads_first = max_tiles <= MAX_GRID_Y
     grid = (num_kv_heads, max_tiles) if heads_first else (max_tiles, num_kv_heads)
     k_cache, v_cache, block_tables, seq_lens, k_rows, v_rows = tensors
