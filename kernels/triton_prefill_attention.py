@@ -114,34 +114,54 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
     last_pos = tl.minimum(first_pos + TILE_TOKENS, seq_len) - 1
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # every row of the tile sees [0, full_end)
     if KV_SOURCE == "paged":
-        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        k_base = k_cache_ptr + kv_head * stride_kh
-        v_base = v_cache_ptr + kv_head * stride_kh  # K and V caches share one layout
-        acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb,
-                                     stride_ks, stride_kb, stride_ks, d, 0, full_end, qk_scale,
-                                     "none", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D,
-                                     DOT_PRECISION, LAZY_RESCALE)
-        acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb,
-                                     stride_ks, stride_kb, stride_ks, d, full_end, last_pos + 1,
-                                     qk_scale, "causal", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D,
-                                     DOT_PRECISION, LAZY_RESCALE)
+        acc, m_i, l_i = _attend_cache(
+            acc, m_i, l_i, q, q_pos, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_kh, stride_kb,
+            stride_ks, d, full_end, last_pos + 1, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+            BLOCK_D, DOT_PRECISION, LAZY_RESCALE)
     else:
-        desc: tl.constexpr = KV_SOURCE == "descriptor"
-        col = kv_head * HEAD_DIM
-        if desc:
-            k_src, v_src = k_rows, v_rows
-        else:
-            k_src, v_src = k_rows + col, v_rows + col
-        acc, m_i, l_i = attend_rows(acc, m_i, l_i, q, q_pos, k_src, v_src, q_start, col,
-                                    stride_rt, d, 0, full_end, qk_scale, "none", HEAD_DIM,
-                                    BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY_RESCALE, desc)
-        acc, m_i, l_i = attend_rows(acc, m_i, l_i, q, q_pos, k_src, v_src, q_start, col,
-                                    stride_rt, d, full_end, last_pos + 1, qk_scale, "causal",
-                                    HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY_RESCALE,
-                                    desc)
+        acc, m_i, l_i = _attend_own_rows(
+            acc, m_i, l_i, q, q_pos, k_rows, v_rows, q_start, kv_head * HEAD_DIM, stride_rt, d,
+            full_end, last_pos + 1, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            LAZY_RESCALE, KV_SOURCE == "descriptor")
     acc = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=qo_mask)
+
+
+@triton.jit
+def _attend_cache(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks, d,
+                  full_end, end, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  LAZY_RESCALE: tl.constexpr):
+    """Keys [0, end) through the block table: whole tiles unmasked, then the causal band (K and
+    V caches share one layout)."""
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb,
+                                 stride_ks, stride_kb, stride_ks, d, 0, full_end, qk_scale,
+                                 "none", HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION,
+                                 LAZY_RESCALE)
+    return attend_paged(acc, m_i, l_i, q, q_pos, table, k_base, v_base, stride_kb, stride_ks,
+                        stride_kb, stride_ks, d, full_end, end, qk_scale, "causal", HEAD_DIM,
+                        BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY_RESCALE)
+
+
+@triton.jit
+def _attend_own_rows(acc, m_i, l_i, q, q_pos, k_rows, v_rows, q_start, col, stride_rt, d,
+                     full_end, end, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     LAZY_RESCALE: tl.constexpr, DESCRIPTOR: tl.constexpr):
+    """Keys [0, end) from the prompt's own rows (from row q_start, head columns from col), in
+    the same two phases; k_rows / v_rows are descriptors, or base pointers."""
+    if DESCRIPTOR:
+        k_src, v_src = k_rows, v_rows
+    else:
+        k_src, v_src = k_rows + col, v_rows + col
+    acc, m_i, l_i = attend_rows(acc, m_i, l_i, q, q_pos, k_src, v_src, q_start, col, stride_rt,
+                                d, 0, full_end, qk_scale, "none", HEAD_DIM, BLOCK_N, BLOCK_D,
+                                DOT_PRECISION, LAZY_RESCALE, DESCRIPTOR)
+    return attend_rows(acc, m_i, l_i, q, q_pos, k_src, v_src, q_start, col, stride_rt, d,
+                       full_end, end, qk_scale, "causal", HEAD_DIM, BLOCK_N, BLOCK_D,
+                       DOT_PRECISION, LAZY_RESCALE, DESCRIPTOR)
 
 
 @functools.cache
