@@ -100,14 +100,15 @@ def rotary_store_kvcache_triton(positions: torch.Tensor, q: torch.Tensor, k: tor
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
-    assert q.stride(-1) == 1 and k.stride(-1) == 1, "in-place rotary needs unit stride on head_dim"
+    assert q.stride(-1) == 1, "in-place rotary needs unit stride on head_dim"
+    assert k.stride(-1) == 1 or not rotate_k, "rotate_k writes k in place: unit stride on head_dim"
     assert q.dtype == k.dtype == v.dtype and k_cache.stride() == v_cache.stride()
     qk_norm = q_norm_weight is not None
     if qk_norm:  # the reference's output dtype would be promoted otherwise
         assert q_norm_weight.dtype == k_norm_weight.dtype == q.dtype
     if num_tokens == 0:
         return q
-    v = last_dim_contiguous(v)
+    k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     half = head_dim // 2
     block_half = next_pow2(half)
     block_h = min(next_pow2(max(num_q_heads, num_kv_heads)), max(1, 2048 // block_half))
