@@ -52,7 +52,8 @@ TESTS=(tests/kernels tests/test_engine_api.py tests/test_hf_parity.py
 # buy, and a figure even if capture fails), then the tile sweeps.
 ALL=(latency_qwen3 nanovllm_qwen3 nanovllm_qwen3_repeat tests attention decode_order latency_llama3_8b
      nanovllm_qwen3_sync nanovllm_qwen3_4k latency_qwen3_sync latency_qwen3_eager attention_graph
-     decode_splits prefill_own_rows prefill_sweep attention_autotune attention_sweep)
+     decode_splits prefill_own_rows prefill_own_rows_lengths prefill_sweep attention_autotune
+     attention_sweep)
 
 # name -> "limit-seconds command..." (the command sees $logs/<name>.json for --json)
 spec() {
@@ -93,6 +94,10 @@ spec() {
     # descriptor path, to retune PREFILL_TILES for them.
     prefill_own_rows) echo 240 "$py" benchmarks/attention.py --dtype bfloat16 --only prefill \
       --sweep-tiles own-rows --head-dims 64 128 256 --prefill-lens 512 4096 --extend-cached ;;
+    # The same at head_dim 128 over every prompt length of the table: each length's best tile
+    # (the 512-token prompts' best differed from 4,096's), what a length-aware table needs.
+    prefill_own_rows_lengths) echo 150 "$py" benchmarks/attention.py --dtype bfloat16 \
+      --only prefill --sweep-tiles own-rows --head-dims 128 --extend-cached ;;
     attention_graph) echo 60 "$py" benchmarks/attention.py --dtype bfloat16 --cuda-graph \
       --only decode ;;
     # The prefill tiles triton.autotune picks (printed), against the table's in `attention`.
