@@ -72,9 +72,6 @@ class LLMEngine:
         self.args = args
         self.model_config = cfg = load_model_config(args.model)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
-        # Token ids a prompt may hold: the tokenizer's, within the model's (a padded vocabulary's
-        # gap has embeddings but no text: vLLM refuses them too)
-        self.prompt_vocab_size = min(cfg.vocab_size, len(self.tokenizer))
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"EngineArgs.max_model_len={self.max_model_len} exceeds the model's "
@@ -117,11 +114,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
-        vocab = self.prompt_vocab_size
+        vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), the tokenizer's "
-                             f"vocabulary; got {bad[:5]}")
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         return None, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
