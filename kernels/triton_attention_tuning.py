@@ -57,7 +57,7 @@ PREFILL_TILE_FP32 = Tile(32, 16, 8, 2)  # IEEE FMA dots need far more registers
 # K/V tiles through tensor descriptors (TMA): the head_dims here (on sm_90+, 16-bit); the
 # others load through pointers with the paged table's tile. Measured on an H200
 # (docs/performance.md, GPU, 2026-11-28): descriptors 1-4% faster than pointers at 128 and
-# 256 and 3-5% slower at 64; at 128, 64-key tiles 1.17x the paged table's 32 (geometric mean
+# 256 and 2-4% slower at 64; at 128, 64-key tiles 1.17x the paged table's 32 (geometric mean
 # over 32 x 512 and 4 x 4,096 tokens; 128 bytes of spills); 256 kept the paged entry. Triton
 # 3.6's warp specialisation of the key loop failed to compile at 4 warps and gained nothing
 # at 8 (the same sweep).
