@@ -16,9 +16,16 @@ Causal block skipping: the KV loop of a tile stops at its last token's position 
 diagonal), and runs in two phases: whole BLOCK_N tiles every row of the tile sees, with no
 mask and unmasked loads, then the diagonal band with the causal mask.
 
-Tile shapes per head_dim: triton_attention_tuning.py (or triton.autotune on CUDA, opt-in).
+Whole prompts (nothing cached before any of them: prefill_attention_triton) run the same
+kernel with its keys read from the step's own K/V rows instead (KV_SOURCE "rows", or
+"descriptor" for TMA tensor descriptors on sm_90+): a key tile is consecutive rows of one
+matrix, not a gather through the block table, so its loads need no per-row addresses.
+
+Tile shapes per head_dim: triton_attention_tuning.py (or triton.autotune on CUDA, opt-in, for
+the paged kernel).
 """
 import functools
+from typing import Literal
 
 import torch
 import triton
@@ -43,6 +50,7 @@ from kernels.triton_attention_tuning import (
 from kernels.triton_paged_attend import attend_paged, attend_rows
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
+KVSource = Literal["paged", "rows", "descriptor"]  # where the kernel reads keys and values
 
 
 @triton.jit
@@ -216,7 +224,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                       [chosen.block_n, block_d]) for x in (k, v))
     return _launch(q, cu_seqlens_q, cu_seqlens_q.shape[0] - 1, num_kv_heads, scale, out, chosen,
                    "descriptor" if descriptor else "rows", (q, q, cu_seqlens_q, cu_seqlens_q, *rows),
-                   (0, 0, 0, 0, k.stride(0)), 16)
+                   (0, 0, 0, 0, k.stride(0)), 1)  # no cache, table or block size: placeholders
 
 
 def _tma_aligned(*xs: torch.Tensor) -> bool:
@@ -224,8 +232,8 @@ def _tma_aligned(*xs: torch.Tensor) -> bool:
     return all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0 for x in xs)
 
 
-def _launch(q, cu_seqlens_q, batch, num_kv_heads, scale, out, tile, kv_source, tensors, strides,
-            block_size):
+def _launch(q, cu_seqlens_q, batch, num_kv_heads, scale, out, tile, kv_source: KVSource,
+            tensors, strides, block_size):
     """Both wrappers' launch: the GQA packing of query tiles, the grid, the tile or autotune."""
     num_tokens, num_q_heads, head_dim = q.shape
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
