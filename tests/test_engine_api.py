@@ -104,6 +104,20 @@ def test_bad_prompts_raise_clear_errors(engine, prompt, message):
     assert not engine.has_unfinished()
 
 
+def test_prompt_ids_past_the_tokenizer_in_a_padded_vocabulary(tiny_model_factory):
+    """A padded vocabulary's gap (embedding rows, no tokens) is refused in prompts, as vLLM does."""
+    from flagserve.models.tiny import VOCAB_SIZE
+    path = tiny_model_factory("llama", vocab_size=VOCAB_SIZE + 64)
+    engine = LLMEngine(EngineArgs(model=path, dtype="float32", max_model_len=64))
+    assert engine.prompt_vocab_size == VOCAB_SIZE
+    from flagserve.engine.core.thread import EngineThread
+    assert EngineThread(engine).vocab_size == VOCAB_SIZE  # what the server's checks are given
+    with pytest.raises(ValueError, match=rf"\[0, {VOCAB_SIZE}\), the tokenizer's"):
+        engine.add_request("gap", [1, VOCAB_SIZE + 3], SamplingParams(max_tokens=2))
+    engine.add_request("last", [1, VOCAB_SIZE - 1], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [o.request_id for o in drain(engine) if o.finished] == ["last"]
+
+
 @pytest.mark.parametrize("field,value", [
     ("seed", 2**64), ("top_k", 2**63), ("temperature", float("inf")), ("stop_token_ids", [10**6]),
     ("logprobs", 10**6),

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from flagserve.bench.throughput import Workload, make_workload
+from flagserve.bench.throughput import Workload, make_workload, prompt_vocab
 
 
 @dataclass
@@ -121,8 +121,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    from flagserve.models.config import load_model_config
-
     common = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs}
     engines = {v.name: (build(args.model, v, common), v) for v in args.variant}
-    report(alternate(engines, args, load_model_config(args.model).vocab_size))
+    report(alternate(engines, args, prompt_vocab(args.model)))

@@ -56,6 +56,13 @@ class Workload:
         return sum(self.max_tokens)
 
 
+def prompt_vocab(model: str) -> int:
+    """The token ids a workload's prompts are drawn from: the engine's prompt_vocab_size (a
+    shape preset's 1,536-token test tokenizer, not its 151,936-row embedding)."""
+    from flagserve.models.tokenizer import load_tokenizer, prompt_vocab_size
+    return prompt_vocab_size(load_model_config(model).vocab_size, load_tokenizer(model))
+
+
 def make_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
                   seed: int) -> Workload:
     rng = random.Random(seed)
@@ -290,7 +297,7 @@ def run_latency(model: str, args: argparse.Namespace, cfg, extra: dict) -> dict:
     llm, start_up = timed_start(lambda: LLM(model, dtype=args.dtype, attention_backend=args.backend,
                                             max_num_seqs=1, **extra))
     rng = random.Random(args.seed)
-    prompt = [rng.randrange(3, cfg.vocab_size) for _ in range(args.input_len[0])]
+    prompt = [rng.randrange(3, prompt_vocab(model)) for _ in range(args.input_len[0])]
     decode_latency(llm, prompt, 4)  # warm-up
     per_step, steps = decode_latency(llm, prompt, args.output_len[1])
     work = Workload([prompt], [steps + 1])
@@ -301,7 +308,7 @@ def run_latency(model: str, args: argparse.Namespace, cfg, extra: dict) -> dict:
 
 def run_throughput(model: str, args: argparse.Namespace, cfg, extra: dict) -> dict:
     work = make_workload(args.num_seqs, tuple(args.input_len), tuple(args.output_len),
-                         cfg.vocab_size, args.seed)
+                         prompt_vocab(model), args.seed)
     fs_time, fs_stats = run_flagserve(model, work, args, **extra)
     result = {"output_tokens": work.output_tokens, "flagserve_seconds": fs_time,
               "flagserve_output_tps": work.output_tokens / fs_time, **fs_stats,

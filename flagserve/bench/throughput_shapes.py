@@ -2,7 +2,8 @@
 
 The engine draws random weights on the device (EngineArgs.load_format="dummy"), so an 8B
 shape needs no 16-32 GB file and loads in seconds. The tokenizer is the tiny test one: a
-benchmark sends token ids, and ids past its vocabulary decode to nothing.
+benchmark sends token ids, drawn within its vocabulary (prompts past it are refused, as vLLM
+does); sampled ids past it decode to nothing.
 """
 import json
 from pathlib import Path

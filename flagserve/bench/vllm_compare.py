@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flagserve.bench.throughput import make_workload
+from flagserve.bench.throughput import make_workload, prompt_vocab
 from flagserve.engine.cpu_runtime import (
     intel_openmp_library,
     preload_env,
@@ -117,7 +117,6 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    from flagserve.models.config import load_model_config
     from flagserve.models.packaged import smollm2_gguf
 
     model = hf_directory(args.model or str(smollm2_gguf()))
@@ -129,7 +128,7 @@ def main() -> None:
                Worker("vllm", args.vllm_python, model, vllm_env(args.vllm_python, args.kv_cache_gib))]
     print("load: " + ", ".join(f"{w.name} {w.load_seconds:.1f} s" for w in workers), flush=True)
     try:
-        tps = alternate(workers, args, load_model_config(model).vocab_size)
+        tps = alternate(workers, args, prompt_vocab(model))
     finally:
         for w in workers:
             w.close()

@@ -34,7 +34,7 @@ from flagserve.engine.step_input import StepInputBuilder
 from flagserve.engine.structured_outputs.matchers import Advance, StructuredOutputs
 from flagserve.layers.sampler import DeviceSamples, PromptScores, SamplerOutput
 from flagserve.models.config import load_model_config
-from flagserve.models.tokenizer import load_tokenizer
+from flagserve.models.tokenizer import load_tokenizer, prompt_vocab_size
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # an idle engine waits this long for a grammar before the loop looks again
@@ -72,6 +72,7 @@ class LLMEngine:
         self.args = args
         self.model_config = cfg = load_model_config(args.model)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.prompt_vocab_size = prompt_vocab_size(cfg.vocab_size, self.tokenizer)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"EngineArgs.max_model_len={self.max_model_len} exceeds the model's "
@@ -114,10 +115,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
-        vocab = self.model_config.vocab_size
+        vocab = self.prompt_vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), the tokenizer's "
+                             f"vocabulary; got {bad[:5]}")
         return None, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 CACHE_VERSION = 1  # bump when what is cached changes
 
 
+def prompt_vocab_size(model_vocab_size: int, tokenizer: PreTrainedTokenizerBase) -> int:
+    """Token ids a prompt may hold: the tokenizer's, within the model's (a padded vocabulary's
+    gap has embedding rows but no tokens: vLLM refuses such ids too)."""
+    return min(model_vocab_size, len(tokenizer))
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """`path`: an HF model or tokenizer directory, or a .gguf file."""
     from transformers import AutoTokenizer

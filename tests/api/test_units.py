@@ -32,6 +32,7 @@ class FakeEngine:
     """Emits one token per step per request, like LLMEngine with DELTA outputs."""
 
     max_model_len = 64
+    prompt_vocab_size = 100
 
     class model_config:  # noqa: N801 - LLMEngine's attribute
         vocab_size = 100

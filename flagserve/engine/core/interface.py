@@ -13,7 +13,7 @@ CoreMode = Literal["process", "thread"]  # serve.<id>.engine_core, once `auto` i
 class EngineCore(Protocol):
     """Where run_steps runs: a thread of this process, or a child process."""
     max_model_len: int
-    vocab_size: int
+    vocab_size: int  # token ids a request may name: LLMEngine.prompt_vocab_size
     stats: EngineStats  # as of construction
 
     def start(self, on_result: Callable[[StepResult | EngineDeadError], None]) -> None:

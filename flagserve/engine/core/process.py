@@ -245,7 +245,7 @@ def main(argv: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - reported to the replica, which fails to start
         _send(conn, CoreFailed(traceback.format_exc()))
         return 1
-    _send(conn, CoreReady(engine.max_model_len, engine.model_config.vocab_size, engine.get_stats()))
+    _send(conn, CoreReady(engine.max_model_len, engine.prompt_vocab_size, engine.get_stats()))
     stopping = False
     encoder = wire.Encoder()
     # One poll object for the life of the loop: Connection.poll builds a selector per call,

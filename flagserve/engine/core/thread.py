@@ -18,7 +18,7 @@ class EngineThread:
     def __init__(self, engine: Any):
         self.engine = engine
         self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
+        self.vocab_size = engine.prompt_vocab_size
         self.stats = engine.get_stats()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False

@@ -38,7 +38,7 @@ class ModelInfo:
     model_name: str
     model_path: str
     max_model_len: int
-    vocab_size: int
+    vocab_size: int  # token ids a request may name (the tokenizer's, within the model's)
 
 
 class EngineClient(Protocol):
