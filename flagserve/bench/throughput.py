@@ -297,7 +297,8 @@ def run_latency(model: str, args: argparse.Namespace, cfg, extra: dict) -> dict:
     llm, start_up = timed_start(lambda: LLM(model, dtype=args.dtype, attention_backend=args.backend,
                                             max_num_seqs=1, **extra))
     rng = random.Random(args.seed)
-    prompt = [rng.randrange(3, prompt_vocab(model)) for _ in range(args.input_len[0])]
+    vocab = llm.llm_engine.prompt_vocab_size
+    prompt = [rng.randrange(3, vocab) for _ in range(args.input_len[0])]
     decode_latency(llm, prompt, 4)  # warm-up
     per_step, steps = decode_latency(llm, prompt, args.output_len[1])
     work = Workload([prompt], [steps + 1])
