@@ -1,4 +1,4 @@
-"""FlagServe's native CPU kernels (kernels/csrc/cpu_*.cpp), built on first use (issue 16).
+"""FlagServe's native CPU kernels (kernels/csrc/cpu_*.cpp), built once per machine (issue 16).
 
 - Decode attention reads the paged cache in place (cpu_paged_attention.cpp) instead of
   gathering every sequence's blocks into a dense copy for SDPA (decode_attention.py): on a
@@ -16,7 +16,8 @@
 
 Built once per machine with the C++ compiler torch.compile uses too, into
 ~/.cache/flagserve/cpu-kernels (keyed by the sources, torch's version and the CPU's flags:
-it is compiled for this CPU). Where no compiler works, `available()` is False and the engine
+it is compiled for this CPU): by the Makefile's install, beside pip (it needs only torch),
+else by the first process that asks. Where no compiler works, `available()` is False and the engine
 keeps the torch reference. FLAGSERVE_CPU_KERNELS=auto (default: native when it builds) |
 native (fail if it does not build) | torch (the reference).
 """
@@ -82,7 +83,7 @@ def load_library() -> bool:
     directory = CACHE / name
     built = (directory / f"{name}.so").exists()
     if not built:
-        log.info("building FlagServe's CPU kernels (once, ~30 s) into %s", directory)
+        log.info("building FlagServe's CPU kernels (once per machine, ~40 s on 2 cores) into %s", directory)
     start = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
     # -fopenmp: the kernels' own pool (csrc/cpu_pool.cpp) asks OpenMP for the engine's core
