@@ -83,7 +83,8 @@ def load_library() -> bool:
     directory = CACHE / name
     built = (directory / f"{name}.so").exists()
     if not built:
-        log.info("building FlagServe's CPU kernels (once per machine, ~40 s on 2 cores) into %s", directory)
+        log.info("building FlagServe's CPU kernels (once per machine, ~40 s on 2 cores) into %s",
+                 directory)
     start = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
     # -fopenmp: the kernels' own pool (csrc/cpu_pool.cpp) asks OpenMP for the engine's core
