@@ -28,24 +28,41 @@ constexpr int64_t kRows = Vec::size() == 16 ? 8 : 6;
 // Row chunks (chunk_rows): measured on SmolLM2's linears at 4,096 rows, 256 KB chunks of x ran
 // at 179-186 GFLOP/s vs 163-168 unchunked; at 512-2,048 rows chunking made no difference.
 constexpr int64_t kChunkBytes = 256 * 1024, kChunkAbove = 8 * 1024 * 1024;
+// A tile's first row block reads its weights from memory and runs at the memory's pace, the
+// other blocks from L2 at the FMAs' pace. So while the other blocks run, they prefetch the
+// next tile into L2, a line every kPrefetchEvery k, and its first block finds it there. A
+// thread takes kGrainTiles tiles at a time so that it knows its next tile (a thread that
+// loses its core holds up at most that many). Measured in docs/performance.md, CPU.
+constexpr int64_t kPrefetchEvery = 2, kGrainTiles = 4;
 
 // Rows [0, R) of one tile: out = init + x . w (init: the tile's kTile bias values, or null for
-// zeros), the sums in registers from the first k to the last.
+// zeros), the sums in registers from the first k to the last. While it runs, `npf` cache
+// lines from `pf` are prefetched into L2, one every kPrefetchEvery k (see packed_linear).
 template <int64_t R>
 void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const float* init,
-               float* out, int64_t ldo, int64_t cols) {
+               float* out, int64_t ldo, int64_t cols, const char* pf, int64_t npf) {
   Vec acc[R][kVecs];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < kVecs; ++j)
       acc[r][j] = init == nullptr ? Vec(0.f) : Vec::loadu(init + j * Vec::size());
-  for (int64_t k = 0; k < K; ++k) {
+  const auto step = [&](int64_t k) __attribute__((always_inline)) {
     Vec wv[kVecs];
     for (int64_t j = 0; j < kVecs; ++j) wv[j] = Vec::loadu(w + k * kTile + j * Vec::size());
     for (int64_t r = 0; r < R; ++r) {
       const Vec xb(x[r * ldx + k]);
       for (int64_t j = 0; j < kVecs; ++j) acc[r][j] = at::vec::fmadd(xb, wv[j], acc[r][j]);
     }
+  };
+  // Two loops rather than a test per k: GCC keeps the accumulators in registers only while
+  // each loop stays this simple (a prefetch added to the one loop moved them to the stack).
+  int64_t k = 0;
+  for (int64_t i = 0; i < npf && k + kPrefetchEvery <= K; ++i) {
+    __builtin_prefetch(pf + i * 64, 0, 2);
+#pragma GCC unroll 4
+    for (int64_t u = 0; u < kPrefetchEvery; ++u) step(k + u);
+    k += kPrefetchEvery;
   }
+  for (; k < K; ++k) step(k);
   for (int64_t r = 0; r < R; ++r) {
     if (cols == kTile) {
       for (int64_t j = 0; j < kVecs; ++j) acc[r][j].store(out + r * ldo + j * Vec::size());
@@ -59,11 +76,12 @@ void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const flo
 
 template <int64_t R = kRows>
 void rows_of_tile(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t K,
-                  const float* init, float* out, int64_t ldo, int64_t cols) {
+                  const float* init, float* out, int64_t ldo, int64_t cols, const char* pf,
+                  int64_t npf) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_of_tile<R - 1>(rows, x, ldx, w, K, init, out, ldo, cols);
+    if (rows < R) return rows_of_tile<R - 1>(rows, x, ldx, w, K, init, out, ldo, cols, pf, npf);
   }
-  tile_rows<R>(x, ldx, w, K, init, out, ldo, cols);
+  tile_rows<R>(x, ldx, w, K, init, out, ldo, cols, pf, npf);
 }
 
 // Rows of x per work item: all of them up to kChunkAbove bytes of x (a decode step: the
@@ -113,7 +131,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   // L2 for the others. (Chunks of k that every block ran before the next chunk, to read each
   // weight from L1, were slower: 0.7-0.9x.)
   const int64_t chunk = chunk_rows(M, K), chunks = (M + chunk - 1) / chunk;
-  pool::parallel_for(0, chunks * tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t lines = K * kTile * int64_t(sizeof(float)) / 64;  // of one tile
+  const int64_t grain = std::min(M, chunk) > kRows ? kGrainTiles : 1;  // one block: no prefetch
+  pool::parallel_for(0, chunks * tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item % tiles, m0 = item / tiles * chunk, m1 = std::min(M, m0 + chunk);
       const int64_t cols = std::min(kTile, N - t * kTile);
@@ -123,9 +143,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
         std::fill(std::copy(init, init + cols, padded), padded + kTile, 0.f);
         init = padded;
       }
-      for (int64_t m = m0; m < m1; m += kRows) {
+      // The next tile's lines, shared among this tile's row blocks after the first.
+      const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
+      const bool next = item + 1 < end && t + 1 < tiles && blocks > 1;
+      const int64_t share = next ? (lines + blocks - 2) / (blocks - 1) : 0;
+      const char* pf = next ? reinterpret_cast<const char*>(wp + (t + 1) * K * kTile) : nullptr;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t m = m0 + b * kRows, first = (b - 1) * share;
+        const int64_t npf = b == 0 ? 0 : std::clamp<int64_t>(lines - first, 0, share);
         rows_of_tile(std::min(kRows, m1 - m), xp + m * ldx, ldx, wp + t * K * kTile, K, init,
-                     op + m * N + t * kTile, N, cols);
+                     op + m * N + t * kTile, N, cols, pf + first * 64, npf);
       }
     }
   });
