@@ -32,13 +32,18 @@ constexpr int64_t kChunkBytes = 256 * 1024, kChunkAbove = 8 * 1024 * 1024;
 // other blocks from L2 at the FMAs' pace. So while the other blocks run, they prefetch the
 // next tile into L2, a line every kPrefetchEvery k, and its first block finds it there. A
 // thread takes kGrainTiles tiles at a time so that it knows its next tile (a thread that
-// loses its core holds up at most that many). Measured in docs/performance.md, CPU.
-constexpr int64_t kPrefetchEvery = 2, kGrainTiles = 4;
+// loses its core holds up at most that many). The first block also prefetches its own rows
+// kAheadRows k ahead into L1: the hardware's prefetcher alone kept fewer reads in flight
+// (the one block of a 4-8 row step waited on them). Measured in docs/performance.md, CPU.
+constexpr int64_t kPrefetchEvery = 2, kGrainTiles = 4, kAheadRows = 16;
+
+// How a row block prefetches while it runs (see above): its own tile kAheadRows k ahead
+// (a tile's first block), or `npf` cache lines of the next tile from `pf` (the others).
+enum class Prefetch { kAhead, kNextTile };
 
 // Rows [0, R) of one tile: out = init + x . w (init: the tile's kTile bias values, or null for
-// zeros), the sums in registers from the first k to the last. While it runs, `npf` cache
-// lines from `pf` are prefetched into L2, one every kPrefetchEvery k (see packed_linear).
-template <int64_t R>
+// zeros), the sums in registers from the first k to the last.
+template <int64_t R, Prefetch P>
 void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const float* init,
                float* out, int64_t ldo, int64_t cols, const char* pf, int64_t npf) {
   Vec acc[R][kVecs];
@@ -53,14 +58,23 @@ void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const flo
       for (int64_t j = 0; j < kVecs; ++j) acc[r][j] = at::vec::fmadd(xb, wv[j], acc[r][j]);
     }
   };
-  // Two loops rather than a test per k: GCC keeps the accumulators in registers only while
-  // each loop stays this simple (a prefetch added to the one loop moved them to the stack).
+  // Loops this simple and no test per k: GCC keeps the accumulators in registers only then
+  // (a prefetch added to the plain loop once moved them to the stack).
   int64_t k = 0;
-  for (int64_t i = 0; i < npf && k + kPrefetchEvery <= K; ++i) {
-    __builtin_prefetch(pf + i * 64, 0, 2);
+  if constexpr (P == Prefetch::kAhead) {
+    // Past the tile's end this reads on into the next tile (the same thread's, mostly).
+    for (; k < K; ++k) {
+      for (int64_t line = 0; line < kTile * int64_t(sizeof(float)); line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(w + (k + kAheadRows) * kTile) + line, 0, 3);
+      step(k);
+    }
+  } else {
+    for (int64_t i = 0; i < npf && k + kPrefetchEvery <= K; ++i) {
+      __builtin_prefetch(pf + i * 64, 0, 2);
 #pragma GCC unroll 4
-    for (int64_t u = 0; u < kPrefetchEvery; ++u) step(k + u);
-    k += kPrefetchEvery;
+      for (int64_t u = 0; u < kPrefetchEvery; ++u) step(k + u);
+      k += kPrefetchEvery;
+    }
   }
   for (; k < K; ++k) step(k);
   for (int64_t r = 0; r < R; ++r) {
@@ -74,14 +88,14 @@ void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const flo
   }
 }
 
-template <int64_t R = kRows>
+template <Prefetch P, int64_t R = kRows>
 void rows_of_tile(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t K,
                   const float* init, float* out, int64_t ldo, int64_t cols, const char* pf,
                   int64_t npf) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_of_tile<R - 1>(rows, x, ldx, w, K, init, out, ldo, cols, pf, npf);
+    if (rows < R) return rows_of_tile<P, R - 1>(rows, x, ldx, w, K, init, out, ldo, cols, pf, npf);
   }
-  tile_rows<R>(x, ldx, w, K, init, out, ldo, cols, pf, npf);
+  tile_rows<R, P>(x, ldx, w, K, init, out, ldo, cols, pf, npf);
 }
 
 // Rows of x per work item: all of them up to kChunkAbove bytes of x (a decode step: the
@@ -150,9 +164,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       const char* pf = next ? reinterpret_cast<const char*>(wp + (t + 1) * K * kTile) : nullptr;
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t m = m0 + b * kRows, first = (b - 1) * share;
-        const int64_t npf = b == 0 ? 0 : std::clamp<int64_t>(lines - first, 0, share);
-        rows_of_tile(std::min(kRows, m1 - m), xp + m * ldx, ldx, wp + t * K * kTile, K, init,
-                     op + m * N + t * kTile, N, cols, pf + first * 64, npf);
+        const float* xb = xp + m * ldx;
+        float* ob = op + m * N + t * kTile;
+        if (b == 0) {
+          rows_of_tile<Prefetch::kAhead>(std::min(kRows, m1 - m), xb, ldx, wp + t * K * kTile, K,
+                                         init, ob, N, cols, nullptr, 0);
+          continue;
+        }
+        const int64_t npf = std::clamp<int64_t>(lines - first, 0, share);
+        rows_of_tile<Prefetch::kNextTile>(std::min(kRows, m1 - m), xb, ldx, wp + t * K * kTile,
+                                          K, init, ob, N, cols, pf + first * 64, npf);
       }
     }
   });
