@@ -25,9 +25,10 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVecs = 2;
 constexpr int64_t kTile = kVecs * Vec::size();  // output columns per packed tile: 32 or 16
 constexpr int64_t kRows = Vec::size() == 16 ? 8 : 6;
-// Row chunks (chunk_rows): measured on SmolLM2's linears at 4,096 rows, 256 KB chunks of x ran
-// at 179-186 GFLOP/s vs 163-168 unchunked; at 512-2,048 rows chunking made no difference.
-constexpr int64_t kChunkBytes = 256 * 1024, kChunkAbove = 8 * 1024 * 1024;
+// Rows of x in chunks of about kChunkBytes (chunk_rows): a chunk stays in L2 while every
+// tile's weights stream past it (prefetched, below), where all of a prefill's rows were read
+// from L3 once per tile. (Before the prefetch, chunks paid only from 4,096 rows on.)
+constexpr int64_t kChunkBytes = 256 * 1024;
 // A tile's first row block reads its weights from memory and runs at the memory's pace, the
 // other blocks from L2 at the FMAs' pace. So while the other blocks run, they prefetch the
 // next tile into L2, a line every kPrefetchEvery k, and its first block finds it there. A
@@ -98,12 +99,12 @@ void rows_of_tile(int64_t rows, const float* x, int64_t ldx, const float* w, int
   tile_rows<R, P>(x, ldx, w, K, init, out, ldo, cols, pf, npf);
 }
 
-// Rows of x per work item: all of them up to kChunkAbove bytes of x (a decode step: the
-// threads split the tiles), else chunks of about kChunkBytes (a long prefill: the threads
-// split the rows).
+// Rows of x per work item: all of them up to kChunkBytes of x (a decode step: the threads
+// split the tiles), else chunks of about kChunkBytes (a prefill: the threads split the rows
+// and the tiles).
 int64_t chunk_rows(int64_t M, int64_t K) {
   const int64_t x_bytes = M * K * int64_t(sizeof(float));
-  if (x_bytes <= kChunkAbove) return M;
+  if (x_bytes <= kChunkBytes) return M;
   const int64_t chunks = (x_bytes + kChunkBytes - 1) / kChunkBytes;
   return ((M + chunks - 1) / chunks + kRows - 1) / kRows * kRows;
 }
