@@ -130,48 +130,76 @@ inline void qk_scores(const float* qf, const T* k, const int32_t* table, int64_t
   }, k);
 }
 
-// acc[0, NV vectors) += sum over the n rows of p[j] * V[j] (rows `stride` apart), U rows at a
-// time into U sets of NV sums in registers: NV x U = 8 independent FMA chains, which keep
-// both FMA pipes busy through the chains' 4 cycles of latency (4 chains ran at half speed).
-// With U = 1 each output is one FMA chain over the rows in order, block after block.
-template <int NV, int U>
-void weighted_block(const float* v, int64_t stride, int64_t n, const float* p, float* acc) {
-  Vec a[U][NV];
-  for (int i = 0; i < NV; ++i) {
-    a[0][i] = Vec::loadu(acc + i * Vec::size());
-    for (int u = 1; u < U; ++u) a[u][i] = Vec(0.f);
-  }
-  auto add = [&](Vec* sums, float pj, const float* r) {
-    const Vec pv(pj);
-    for (int i = 0; i < NV; ++i) sums[i] = at::vec::fmadd(pv, Vec::loadu(r + i * Vec::size()), sums[i]);
+// For each of G query heads g: acc[g * acc_stride, NV vectors) += sum over the n rows of
+// p[g * p_stride + j] * V[j] (rows `stride` apart), U rows at a time into U sets of NV sums
+// in registers: NV x U = 8 independent FMA chains, which keep both FMA pipes busy through
+// the chains' 4 cycles of latency (4 chains ran at half speed). Each V row is loaded once
+// for the G heads that share it (one call per head loaded it G times: the loads, not the
+// FMAs, bounded the kernel). With U = 1 each output is one FMA chain over the rows in order,
+// block after block; G does not change any output's order.
+template <int NV, int U, int G>
+void weighted_block(const float* v, int64_t stride, int64_t n, const float* p, int64_t p_stride,
+                    float* acc, int64_t acc_stride) {
+  Vec a[U][G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) {
+      a[0][g][i] = Vec::loadu(acc + g * acc_stride + i * Vec::size());
+      for (int u = 1; u < U; ++u) a[u][g][i] = Vec(0.f);
+    }
+  auto add = [&](int u, int64_t j) {
+    Vec row[NV];
+    for (int i = 0; i < NV; ++i) row[i] = Vec::loadu(v + j * stride + i * Vec::size());
+    for (int g = 0; g < G; ++g) {
+      const Vec pv(p[g * p_stride + j]);
+      for (int i = 0; i < NV; ++i) a[u][g][i] = at::vec::fmadd(pv, row[i], a[u][g][i]);
+    }
   };
   int64_t j = 0;
   for (; j + U <= n; j += U)
-    for (int u = 0; u < U; ++u) add(a[u], p[j + u], v + (j + u) * stride);
-  for (; j < n; ++j) add(a[0], p[j], v + j * stride);
-  for (int i = 0; i < NV; ++i) {
-    Vec sum = a[0][i];
-    for (int u = 1; u < U; ++u) sum = sum + a[u][i];
-    sum.store(acc + i * Vec::size());
-  }
+    for (int u = 0; u < U; ++u) add(u, j + u);
+  for (; j < n; ++j) add(0, j);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) {
+      Vec sum = a[0][g][i];
+      for (int u = 1; u < U; ++u) sum = sum + a[u][g][i];
+      sum.store(acc + g * acc_stride + i * Vec::size());
+    }
 }
 
-using WeightedBlock = void (*)(const float*, int64_t, int64_t, const float*, float*);
+using WeightedBlock = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*,
+                               int64_t);
 
-// The widest weighted_block whose chunk divides head_dim, and that chunk's width in floats;
-// null where head_dim is not whole vectors.
-inline WeightedBlock weighted_block_for(int64_t head_dim, int64_t& width) {
+// The widest weighted_block<.., .., G> whose chunk divides head_dim (that chunk's width in
+// floats into `width`); null where head_dim is not whole vectors or G heads of it would not
+// fit the registers.
+template <int G>
+WeightedBlock weighted_block_for(int64_t head_dim, int64_t& width) {
   constexpr int64_t V = Vec::size();
   const std::pair<int64_t, WeightedBlock> choices[] = {
-      {8, weighted_block<8, 1>}, {4, weighted_block<4, 2>}, {2, weighted_block<2, 4>},
-      {1, weighted_block<1, 8>}};
+      {8, weighted_block<8, 1, G>}, {4, weighted_block<4, 2, G>}, {2, weighted_block<2, 4, G>},
+      {1, weighted_block<1, 8, G>}};
+  // U x G x NV sums, NV row vectors and a broadcast: 32 vector registers with AVX-512.
+  constexpr int64_t registers = V == 16 ? 32 : 16;
   for (const auto& [nv, fn] : choices) {
-    if (head_dim % (nv * V) == 0) {
+    if (head_dim % (nv * V) == 0 && (G == 1 || 8 * G + nv + 1 <= registers)) {
       width = nv * V;
       return fn;
     }
   }
   return nullptr;
+}
+
+// The grouped weighted_block for `groups` query heads per KV head where one fits (into
+// `per_call`, the heads one call sums), else the one-head one.
+inline WeightedBlock weighted_for(int64_t head_dim, int64_t groups, int64_t& width,
+                                  int64_t& per_call) {
+  WeightedBlock fn = nullptr;
+  per_call = groups;
+  if (groups == 2) fn = weighted_block_for<2>(head_dim, width);
+  if (groups == 3) fn = weighted_block_for<3>(head_dim, width);
+  if (fn != nullptr) return fn;
+  per_call = 1;
+  return weighted_block_for<1>(head_dim, width);
 }
 
 inline float max_of(const float* x, int64_t n) {
@@ -222,7 +250,8 @@ void attend(const float* qf, const T* k, const T* v, const int32_t* table, int64
 // `acc` and `inv` heads * groups * head_dim and heads * groups.
 void attend_rows(const float* qf, const float* k, const float* v, const int32_t* table,
                  int64_t len, const Layout& l, int64_t heads, WeightedBlock weighted,
-                 int64_t width, float* scores, float* acc, float* inv, float* out) {
+                 int64_t width, int64_t per_call, float* scores, float* acc, float* inv,
+                 float* out) {
   const int64_t D = l.head_dim, G = l.groups, ts = l.token_stride, rows = heads * G;
   Layout span = l;  // the part of each cached row this task reads: what to prefetch
   span.head_dim = heads * D;
@@ -238,9 +267,10 @@ void attend_rows(const float* qf, const float* k, const float* v, const int32_t*
   softmax_rows(scores, rows, len, inv);
   std::fill(acc, acc + rows * D, 0.f);
   for_blocks(table, len, span, [&](int64_t start, int64_t base, int64_t n) {
-    for (int64_t r = 0; r < rows; ++r)
+    for (int64_t r = 0; r < rows; r += per_call)  // per_call divides G: one KV head a call
       for (int64_t c = 0; c < D; c += width)
-        weighted(v + base + r / G * D + c, ts, n, scores + r * len + start, acc + r * D + c);
+        weighted(v + base + r / G * D + c, ts, n, scores + r * len + start, len, acc + r * D + c,
+                 D);
   }, v);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv[r];
@@ -265,7 +295,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   WeightedBlock weighted = nullptr;
   int64_t chunk = 0;
 #ifdef FLAGSERVE_QK8
-  if (std::is_same<T, float>::value && D % 8 == 0) weighted = weighted_block_for(D, chunk);
+  int64_t per_call = 1;
+  if (std::is_same<T, float>::value && D % 8 == 0)
+    weighted = weighted_for(D, l.groups, chunk, per_call);
 #endif
   // KV heads per task: all of a sequence's where there are tasks enough for every thread
   // to take several (the pool shares them out as they finish), else one.
@@ -284,7 +316,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       if constexpr (std::is_same<T, float>::value) {
         if (weighted != nullptr) {
           attend_rows(qf.data(), kp + h0 * D, vp + h0 * D, tp + b * width, lp[b], l, heads,
-                      weighted, chunk, scores.data(), acc.data(), inv.data(), o);
+                      weighted, chunk, per_call, scores.data(), acc.data(), inv.data(), o);
           continue;
         }
       }

@@ -35,7 +35,7 @@ def run_case(seq_lens, group, block_size, head_dim, dtype, table_width=None, str
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("block_size", [4, 8, 16, 32])  # under, at and over 8 rows (q.K takes 8 at a time)
-@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
 def test_matches_reference(group, block_size, dtype):
     run_case(SEQ_LENS, group, block_size, 64, dtype)
 
