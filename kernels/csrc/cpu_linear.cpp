@@ -65,8 +65,9 @@ void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const flo
   if constexpr (P == Prefetch::kAhead) {
     // Past the tile's end this reads on into the next tile (the same thread's, mostly).
     for (; k < K; ++k) {
+      const char* ahead = reinterpret_cast<const char*>(w + (k + kAheadRows) * kTile);
       for (int64_t line = 0; line < kTile * int64_t(sizeof(float)); line += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(w + (k + kAheadRows) * kTile) + line, 0, 3);
+        __builtin_prefetch(ahead + line, 0, 3);
       step(k);
     }
   } else {
@@ -139,12 +140,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  // Work items are (row chunk, tile) pairs, chunk-major, so a thread takes runs of items of
-  // one chunk when there are several: its chunk of x stays in its L2 while the weights stream
-  // past, instead of all M rows of x streaming from L3 once per tile. Within a chunk the rows
-  // go in blocks of kRows, the tile's weights read from memory for the first block and from
-  // L2 for the others. (Chunks of k that every block ran before the next chunk, to read each
-  // weight from L1, were slower: 0.7-0.9x.)
+  // Work items are (row chunk, tile) pairs, chunk-major, so a thread's run of items is
+  // consecutive tiles of one chunk (why chunks and runs: the constants above). Within a chunk
+  // the rows go in blocks of kRows. (Chunks of k that every block ran before the next chunk,
+  // to read each weight from L1, were slower: 0.7-0.9x.)
   const int64_t chunk = chunk_rows(M, K), chunks = (M + chunk - 1) / chunk;
   const int64_t lines = K * kTile * int64_t(sizeof(float)) / 64;  // of one tile
   const int64_t grain = std::min(M, chunk) > kRows ? kGrainTiles : 1;  // one block: no prefetch
@@ -163,18 +162,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       const bool next = item + 1 < end && t + 1 < tiles && blocks > 1;
       const int64_t share = next ? (lines + blocks - 2) / (blocks - 1) : 0;
       const char* pf = next ? reinterpret_cast<const char*>(wp + (t + 1) * K * kTile) : nullptr;
+      const float* w = wp + t * K * kTile;
       for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t m = m0 + b * kRows, first = (b - 1) * share;
+        const int64_t m = m0 + b * kRows, rows = std::min(kRows, m1 - m);
         const float* xb = xp + m * ldx;
         float* ob = op + m * N + t * kTile;
         if (b == 0) {
-          rows_of_tile<Prefetch::kAhead>(std::min(kRows, m1 - m), xb, ldx, wp + t * K * kTile, K,
-                                         init, ob, N, cols, nullptr, 0);
-          continue;
+          rows_of_tile<Prefetch::kAhead>(rows, xb, ldx, w, K, init, ob, N, cols, nullptr, 0);
+        } else {
+          const int64_t first = (b - 1) * share, npf = std::clamp<int64_t>(lines - first, 0, share);
+          rows_of_tile<Prefetch::kNextTile>(rows, xb, ldx, w, K, init, ob, N, cols,
+                                            pf + first * 64, npf);
         }
-        const int64_t npf = std::clamp<int64_t>(lines - first, 0, share);
-        rows_of_tile<Prefetch::kNextTile>(std::min(kRows, m1 - m), xb, ldx, wp + t * K * kTile,
-                                          K, init, ob, N, cols, pf + first * 64, npf);
       }
     }
   });
