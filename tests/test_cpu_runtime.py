@@ -1,8 +1,13 @@
 """The CPU thread plan of an engine (flagserve/engine/cpu_runtime.py): pure decisions."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from flagserve.engine.cpu_runtime import (
     ThreadPlan,
+    huge_pages_env,
     intel_openmp_library,
     owned_cpus,
     parse_cpu_list,
@@ -78,6 +83,11 @@ def test_preload_puts_found_libraries_first_once():
     assert preload_env({}, []) == {}  # nothing installed: silently nothing
 
 
+def test_huge_pages_are_asked_for_unless_the_user_chose():
+    assert huge_pages_env({}) == {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert huge_pages_env({"THP_MEM_ALLOC_ENABLE": "0"}) == {}  # off, the user's choice
+
+
 def test_runtime_libraries_are_found_where_they_exist(tmp_path):
     (tmp_path / "sys").mkdir()
     (tmp_path / "venv" / "lib").mkdir(parents=True)
@@ -87,3 +97,19 @@ def test_runtime_libraries_are_found_where_they_exist(tmp_path):
     (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
     assert tcmalloc_library([str(tmp_path / "sys")]) == [str(tmp_path / "sys" / "libtcmalloc_minimal.so.4")]
     assert intel_openmp_library(str(tmp_path / "venv")) == [str(tmp_path / "venv" / "lib" / "libiomp5.so")]
+
+
+def test_a_process_started_with_the_huge_pages_env_gets_them():
+    setting = "/sys/kernel/mm/transparent_hugepage/enabled"
+    mode = open(setting).read() if os.path.exists(setting) else "[never]"
+    if "[madvise]" not in mode:  # `always` gives them unasked, `never` not at all
+        pytest.skip(f"transparent huge pages here: {mode.strip()}")
+    script = ("import torch\n"
+              "x = torch.ones(64 << 18)  # 64 MB, touched\n"
+              "for line in open('/proc/self/smaps_rollup'):\n"
+              "    if line.startswith('AnonHugePages:'): print(int(line.split()[1]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    kib = [int(subprocess.run([sys.executable, "-c", script], env={**env, **extra},
+                              capture_output=True, text=True, check=True).stdout)
+           for extra in ({}, huge_pages_env(env))]
+    assert kib[1] >= 32 * 1024 > kib[0], kib

@@ -34,9 +34,8 @@ from flagserve.engine.core import wire
 from flagserve.engine.core.loop import AbortRequest, Command, EngineDeadError, StepResult, run_steps
 from flagserve.engine.cpu_runtime import (
     apply_thread_plan,
+    cpu_process_env,
     engine_thread_plan,
-    preload_env,
-    tcmalloc_library,
 )
 from flagserve.engine.stats import EngineStats
 
@@ -69,7 +68,7 @@ class EngineProcess:
         env = child_env()
         env.update(engine_thread_plan(env).env(env))  # OpenMP reads its settings once, at load
         if _on_cpu(engine_args):
-            env.update(preload_env(env, tcmalloc_library()))
+            env.update(cpu_process_env(env))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flagserve.engine.core.process", str(child.fileno())],
             pass_fds=(child.fileno(),), env=env)
