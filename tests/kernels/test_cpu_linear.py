@@ -25,7 +25,7 @@ def _check(x, weight, bias=None):
     assert ours <= max(4 * theirs, 1e-5), (ours, theirs)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 17, 64, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 25, 64, 130])
 @pytest.mark.parametrize("out_features", [1, 15, 17, 31, 32, 33, 100])
 def test_matches_f_linear(rows, out_features):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
