@@ -1,5 +1,6 @@
 """The CPU thread plan of an engine (flagserve/engine/cpu_runtime.py): pure decisions."""
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -100,8 +101,8 @@ def test_runtime_libraries_are_found_where_they_exist(tmp_path):
 
 
 def test_a_process_started_with_the_huge_pages_env_gets_them():
-    setting = "/sys/kernel/mm/transparent_hugepage/enabled"
-    mode = open(setting).read() if os.path.exists(setting) else "[never]"
+    setting = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = setting.read_text() if setting.exists() else "[never]"
     if "[madvise]" not in mode:  # `always` gives them unasked, `never` not at all
         pytest.skip(f"transparent huge pages here: {mode.strip()}")
     script = ("import torch\n"
