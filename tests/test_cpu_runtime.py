@@ -1,4 +1,5 @@
-"""The CPU thread plan of an engine (flagserve/engine/cpu_runtime.py): pure decisions."""
+"""The CPU runtime of an engine (flagserve/engine/cpu_runtime.py): its thread plan and
+environment, pure decisions, and one process started with the huge-pages environment."""
 import os
 import pathlib
 import subprocess

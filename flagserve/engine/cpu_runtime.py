@@ -160,7 +160,8 @@ def preload_env(env: Mapping[str, str], libraries: Sequence[str]) -> dict[str, s
 # Transparent huge pages for torch's allocations of 2 MB and more (the KV cache, the packed
 # weights): torch madvises them when THP_MEM_ALLOC_ENABLE is set as the process starts. With 4 KB
 # pages a decode step's walk over scattered cache blocks and ~0.5 GB of weights misses the TLB
-# page after page: decode attention read 10-12% faster with them (docs/performance.md, CPU).
+# page after page; decode attention and small-batch linears run faster with huge pages
+# (docs/performance.md, CPU).
 # The user's value wins (0 turns it off); a kernel with THP `never` ignores the advice.
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 

@@ -20,9 +20,9 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 // A tile row is two registers, and kRows rows of it are summed at once: with AVX-512 12 x 32
 // (24 accumulators, 2 weight vectors and a broadcast of 32 registers), with AVX2 the classic
-// 6 x 16 (12 + 2 + 1 of 16). More rows per block read the tile from L2 fewer times: 12 rows
-// took 0.92-0.97x the time of 8 from 64 rows up (10 and 14 no better); AVX2 had 2 x 32 before,
-// 8 accumulators for 6 loads per k: 0.6-0.8x of 6 x 16 (docs/performance.md, CPU).
+// 6 x 16 (12 + 2 + 1 of 16). More rows per block read the tile from L2 fewer times (12 beat 8
+// from 64 rows up; 10 and 14 did no better); AVX2 had 2 x 32 before, 8 accumulators for 6
+// loads per k, slower than 6 x 16 at every row count (docs/performance.md, CPU).
 constexpr int64_t kVecs = 2;
 constexpr int64_t kTile = kVecs * Vec::size();  // output columns per packed tile: 32 or 16
 constexpr int64_t kRows = Vec::size() == 16 ? 12 : 6;
