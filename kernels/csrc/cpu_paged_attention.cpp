@@ -253,14 +253,9 @@ void attend_rows(const float* qf, const float* k, const float* v, const int32_t*
                  int64_t width, int64_t per_call, float* scores, float* acc, float* inv,
                  float* out) {
   const int64_t D = l.head_dim, G = l.groups, ts = l.token_stride, rows = heads * G;
-  Layout span = l;  // the part of each cached row this task reads
+  Layout span = l;  // the part of each cached row this task reads: what to read ahead
   span.head_dim = heads * D;
-  // Whole rows are read ahead run by run; one head's slice of each, prefetched block by block.
-  auto pass = [&](const float* cache, auto&& f) {
-    if (span.head_dim == ts) paged::for_blocks_read_ahead(table, len, span, f, cache);
-    else for_blocks(table, len, span, f, cache);
-  };
-  pass(k, [&](int64_t start, int64_t base, int64_t n) {
+  for_blocks(table, len, span, [&](int64_t start, int64_t base, int64_t n) {
     int64_t j = 0;
     for (; j + 8 <= n; j += 8)
       for (int64_t h = 0; h < heads; ++h)
@@ -268,15 +263,15 @@ void attend_rows(const float* qf, const float* k, const float* v, const int32_t*
     for (; j < n; ++j)
       for (int64_t r = 0; r < rows; ++r)
         scores[r * len + start + j] = dot(qf + r * D, k + base + j * ts + r / G * D, D);
-  });
+  }, k);
   softmax_rows(scores, rows, len, inv);
   std::fill(acc, acc + rows * D, 0.f);
-  pass(v, [&](int64_t start, int64_t base, int64_t n) {
+  for_blocks(table, len, span, [&](int64_t start, int64_t base, int64_t n) {
     for (int64_t r = 0; r < rows; r += per_call)  // per_call divides G: one KV head a call
       for (int64_t c = 0; c < D; c += width)
         weighted(v + base + r / G * D + c, ts, n, scores + r * len + start, len, acc + r * D + c,
                  D);
-  });
+  }, v);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv[r];
 }
