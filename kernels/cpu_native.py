@@ -49,7 +49,8 @@ HEADERS = sorted((Path(__file__).parent / "csrc").glob("cpu_*.h"))  # in the bui
 CACHE = Path.home() / ".cache" / "flagserve" / "cpu-kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The flags line of /proc/cpuinfo (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -68,7 +69,7 @@ def _capability(flags: str) -> list[str]:
 
 
 def _build_name() -> str:
-    key = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
+    key = hashlib.sha256(torch.__version__.encode() + cpu_flags().encode())
     for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     return f"flagserve_cpu_kernels_{key.hexdigest()[:12]}"
@@ -90,7 +91,7 @@ def load_library() -> bool:
     # -fopenmp: the kernels' own pool (csrc/cpu_pool.cpp) asks OpenMP for the engine's core
     # binding; the libgomp it links resolves to the one torch already loaded (same soname).
     cpp_extension.load(name, [str(s) for s in SOURCES],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability(_cpu_flags())],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability(cpu_flags())],
                        extra_ldflags=["-fopenmp"], build_directory=str(directory),
                        is_python_module=False, verbose=False)
     if not built:
@@ -190,6 +191,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if x.stride(-1) != 1:
         x = x.contiguous()
     return torch.ops.flagserve_cpu.packed_linear(x, packed, out_features, bias)
+
+
+def greedy_lm_head(x: torch.Tensor, weight: torch.Tensor, approx: torch.Tensor, norms: torch.Tensor,
+                   max_norm: float) -> torch.Tensor:
+    """[M] int64: the argmax of each row of x @ weight[:len(norms)].T in float32, found from
+    approx (the same in bfloat16; cpu_greedy_head.cpp), -1 where approx is not finite."""
+    return torch.ops.flagserve_cpu.greedy_lm_head(x, weight, approx, norms, max_norm)
 
 
 def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

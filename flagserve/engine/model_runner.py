@@ -21,7 +21,14 @@ from flagserve.engine.kv_budget import batched_tokens, capacity_blocks, graph_po
 from flagserve.engine.prompt_logprobs import score_prompt_rows
 from flagserve.engine.sampling_inputs import SeqSampling, sampling_batch
 from flagserve.engine.step_input import StepInput
-from flagserve.layers.sampler import DeviceSamples, Sampler, SamplerOutput, SamplingBatch, seeded_generator
+from flagserve.layers.sampler import (
+    DeviceSamples,
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    plain_greedy,
+    seeded_generator,
+)
 from flagserve.models.config import ModelConfig, auto_dtype
 from flagserve.models.loader import load_model
 from kernels import KernelOps, get_ops
@@ -198,6 +205,13 @@ class ModelRunner:
         seqs = [self.seqs[step.seq_ids[i]] for i in step.sample_indices]
         return sampling_batch(seqs, step, self.cfg.vocab_size, self.eos_token_ids, self.device)
 
+    def greedy_tokens(self, hidden: torch.Tensor, batch: SamplingBatch | None) -> torch.Tensor | None:
+        """An all-greedy batch's tokens from the LM head without its logits where it can
+        (layers/greedy_head.py), else None."""
+        if batch is None or not plain_greedy(batch):
+            return None
+        return self.model.greedy_tokens(hidden)
+
     def execute(self, step: StepInput, defer: bool = False) -> SamplerOutput | DeviceSamples | None:
         """The sampled tokens on the sampling shard (None when nothing samples), else None.
         defer (async scheduling, TP = PP = 1): the samples as the device will have them, a
@@ -240,13 +254,15 @@ class ModelRunner:
             return None if scores is None else SamplerOutput([], None, None, None, None, scores)
         if keep is None:
             hidden = hidden[prepared.logits_indices]
-        logits = self.model.compute_logits(hidden)  # None off TP rank 0
+        batch = self.sampling_batch(step) if par.samples else None
+        tokens = self.greedy_tokens(hidden, batch)
+        logits = None if tokens is not None else self.model.compute_logits(hidden)  # None off TP rank 0
         if self.device.type == "cuda" and not defer:
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward
         self.forward_seconds += time.perf_counter() - start  # deferred: the launches only
         if not par.samples:
             return None
-        samples = self.sampler.sample(logits, self.sampling_batch(step))
+        samples = DeviceSamples(tokens) if tokens is not None else self.sampler.sample(logits, batch)
         if not defer:
             out = samples.host()
             out.prompt_scores = scores

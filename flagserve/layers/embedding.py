@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flagserve.layers.cpu_matmul import PackedWeight, pack_weight
+from flagserve.layers.greedy_head import GreedyHead, greedy_head_for
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,11 +37,23 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     packed: PackedWeight | None = None  # the kernel's copy of weight (cpu_matmul.py), once packed
+    greedy_head: GreedyHead | None = None  # where all-greedy steps skip the logits (greedy_head.py)
 
     def pack_for_cpu(self, mode: Literal["native", "onednn"]) -> None:
         """Multiply by a packed copy of the weight from now on. The dense weight stays: with
         tied embeddings it is the embedding's."""
         self.packed = pack_weight(self.weight, mode)
+        self.greedy_head = greedy_head_for(self.weight, self.vocab_size, mode, self.tp_size)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N] int64: the argmax of each row of forward(hidden), or None where this head has
+        no cheaper way to it than the logits."""
+        if self.greedy_head is None:
+            return None
+        tokens = self.greedy_head(hidden)
+        if bool((lost := tokens < 0).any()):  # a logit not finite: torch.argmax's answer
+            tokens[lost] = self.forward(hidden[lost]).float().argmax(-1)
+        return tokens
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> logits [N, vocab_size] in the model's dtype on TP rank 0, the rank

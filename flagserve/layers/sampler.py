@@ -190,7 +190,7 @@ def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Genera
     return noise
 
 
-def _plain_greedy(batch: SamplingBatch) -> bool:
+def plain_greedy(batch: SamplingBatch) -> bool:
     """Every row greedy with nothing to apply first and no logprobs to report."""
     return (batch.all_greedy and batch.max_num_logprobs < 0 and batch.token_bitmask is None
             and batch.banned_token_ids is None and batch.logit_bias is None
@@ -222,7 +222,7 @@ class Sampler(nn.Module):
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> DeviceSamples:
         """The samples, left on the device (no wait for it)."""
-        if _plain_greedy(batch):
+        if plain_greedy(batch):
             # Widening to fp32 is exact, so the argmax of the model-dtype logits is that of
             # their fp32 copy: skip the copy.
             return DeviceSamples(self.argmax(logits))

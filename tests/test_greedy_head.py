@@ -1,0 +1,67 @@
+"""An all-greedy step's tokens from the LM head without its float32 logits
+(flagserve/layers/greedy_head.py; the kernel's own tests: tests/kernels/test_cpu_greedy_head.py):
+the head's tokens are its logits' argmax, a NaN row included; where it is built; and an engine
+gives the same tokens with it as without, for greedy batches and batches that mix in sampled
+rows and logprobs."""
+import pytest
+import torch
+
+from flagserve import LLM, SamplingParams
+from flagserve.layers.embedding import ParallelLMHead
+from flagserve.layers.greedy_head import GREEDY_HEAD_ENV, greedy_head_for, hardware_bf16
+from kernels import cpu_native
+
+needs_native = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.available(),
+                                  reason="the native kernels are CPU-only and need a C++ compiler")
+
+
+@needs_native
+def test_head_tokens_are_its_logits_argmax(monkeypatch):
+    monkeypatch.setenv(GREEDY_HEAD_ENV, "on")
+    torch.manual_seed(0)
+    head = ParallelLMHead(1000, 64)
+    head.weight.data.normal_()
+    head.pack_for_cpu("native")
+    assert head.greedy_head is not None
+    hidden = torch.randn(9, 64) * 3
+    hidden[4, 2] = float("nan")  # its logits are NaN: torch.argmax's answer, from the logits
+    with torch.inference_mode():
+        assert torch.equal(head.greedy(hidden), head(hidden).argmax(-1))
+
+
+@needs_native
+def test_built_for_a_native_float32_head_on_one_rank(monkeypatch):
+    weight = torch.randn(100, 16)
+    monkeypatch.setenv(GREEDY_HEAD_ENV, "on")
+    assert greedy_head_for(weight, 100, "native", 1) is not None
+    assert greedy_head_for(weight, 100, "onednn", 1) is None
+    assert greedy_head_for(weight, 100, "native", 2) is None
+    assert greedy_head_for(weight.bfloat16(), 100, "native", 1) is None
+    monkeypatch.setenv(GREEDY_HEAD_ENV, "off")
+    assert greedy_head_for(weight, 100, "native", 1) is None
+    monkeypatch.setenv(GREEDY_HEAD_ENV, "auto")
+    assert (greedy_head_for(weight, 100, "native", 1) is not None) == hardware_bf16()
+    monkeypatch.setenv(GREEDY_HEAD_ENV, "yes")
+    with pytest.raises(ValueError, match=GREEDY_HEAD_ENV):
+        greedy_head_for(weight, 100, "native", 1)
+
+
+def _run(llama_path, monkeypatch, mode, requests):
+    monkeypatch.setenv(GREEDY_HEAD_ENV, mode)
+    llm = LLM(llama_path, dtype="float32", device="cpu")
+    head = llm.llm_engine.executor.runner.model.lm_head
+    assert (head.greedy_head is not None) == (mode == "on")
+    outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@needs_native
+def test_engine_tokens_with_and_without_it(llama_path, monkeypatch):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["The weather today is", "We cook rice and beans", "Old computers", "count to 42"]
+    # the sampled row and the one with logprobs end first: the later steps are all greedy
+    mixed = [(p, greedy) for p in prompts] + [
+        ("Write code", SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)),
+        ("The river", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2))]
+    for requests in ([(p, greedy) for p in prompts], mixed):
+        assert _run(llama_path, monkeypatch, "on", requests) == _run(llama_path, monkeypatch, "off", requests)
