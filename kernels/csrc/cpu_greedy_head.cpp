@@ -34,6 +34,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr size_t kChains = 8;  // candidates recomputed at once: FMA chains in flight
+constexpr int64_t kSpan = 256;  // tokens per span of the candidates' second pass
 
 struct Bound {
   float per_norm;  // times |w_v|: (2^-7 + 2^-15 + 3g) |x|, rounded up
@@ -50,40 +51,54 @@ Bound row_bound(const float* x, int64_t K, float max_norm) {
           float(K * 0x1p-110 * (1 + norm + max_norm))};
 }
 
-// The candidates of one row, ascending; false when a logit is not finite.
+// The candidates of one row, ascending; false when a logit is not finite. The first pass
+// finds the best lower bound and each span's highest upper bound; the second looks again
+// only at spans whose upper bound reaches it (a few of a vocabulary's hundreds).
 bool candidates(const at::BFloat16* a, const float* norms, int64_t n, const Bound& b,
-                std::vector<int64_t>& out) {
+                std::vector<float>& span_top, std::vector<int64_t>& out) {
   constexpr int64_t W = Vec::size();
   const Vec per_norm(b.per_norm), per_logit(b.per_logit), flat(b.flat);
-  Vec lo(-std::numeric_limits<float>::infinity()), most(0.f);
-  int64_t v = 0;
-  for (; v + W <= n; v += W) {
-    Vec av;
+  const auto bounds = [&](int64_t v, Vec& av) __attribute__((always_inline)) {
     at::vec::load_to_float(a + v, av);
-    const Vec mag = av.abs();
-    const Vec reach = at::vec::fmadd(per_norm, Vec::loadu(norms + v), at::vec::fmadd(per_logit, mag, flat));
-    lo = at::vec::maximum(lo, av - reach);
-    most = at::vec::maximum(most, mag);  // NaN propagates
+    return at::vec::fmadd(per_norm, Vec::loadu(norms + v), at::vec::fmadd(per_logit, av.abs(), flat));
+  };
+  const auto max_of = [](const Vec& x) {
+    return at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return at::vec::maximum(p, q); }, x);
+  };
+  const int64_t whole = n / W * W, spans = (whole + kSpan - 1) / kSpan;
+  span_top.resize(spans);
+  Vec lo(-std::numeric_limits<float>::infinity()), most(0.f);
+  for (int64_t s = 0; s < spans; ++s) {
+    Vec top(-std::numeric_limits<float>::infinity());
+    for (int64_t v = s * kSpan; v < std::min(whole, (s + 1) * kSpan); v += W) {
+      Vec av;
+      const Vec reach = bounds(v, av);
+      lo = at::vec::maximum(lo, av - reach);
+      top = at::vec::maximum(top, av + reach);
+      most = at::vec::maximum(most, av.abs());  // NaN propagates
+    }
+    span_top[s] = max_of(top);
   }
-  float low = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, lo);
-  float top = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, most);
+  float low = max_of(lo), top = max_of(most);
   const auto reach = [&](int64_t i) {
     return b.per_norm * norms[i] + (b.per_logit * std::abs(float(a[i])) + b.flat);
   };
-  for (int64_t i = v; i < n; ++i) {
+  for (int64_t i = whole; i < n; ++i) {
     low = std::max(low, float(a[i]) - reach(i));
     top = std::isnan(float(a[i])) ? float(a[i]) : std::max(top, std::abs(float(a[i])));
   }
   if (!(top <= std::numeric_limits<float>::max())) return false;
   const Vec vlow(low);
-  for (v = 0; v + W <= n; v += W) {
-    Vec av;
-    at::vec::load_to_float(a + v, av);
-    const Vec reach_v = at::vec::fmadd(per_norm, Vec::loadu(norms + v), at::vec::fmadd(per_logit, av.abs(), flat));
-    uint64_t hit = ~static_cast<uint64_t>(((av + reach_v) >= vlow).zero_mask()) & ((uint64_t{1} << W) - 1);
-    for (; hit != 0; hit &= hit - 1) out.push_back(v + __builtin_ctzll(hit));
+  for (int64_t s = 0; s < spans; ++s) {
+    if (!(span_top[s] >= low)) continue;
+    for (int64_t v = s * kSpan; v < std::min(whole, (s + 1) * kSpan); v += W) {
+      Vec av;
+      const Vec reach_v = bounds(v, av);
+      uint64_t hit = ~static_cast<uint64_t>(((av + reach_v) >= vlow).zero_mask()) & ((uint64_t{1} << W) - 1);
+      for (; hit != 0; hit &= hit - 1) out.push_back(v + __builtin_ctzll(hit));
+    }
   }
-  for (int64_t i = v; i < n; ++i)
+  for (int64_t i = whole; i < n; ++i)
     if (float(a[i]) + reach(i) >= low) out.push_back(i);
   return true;
 }
@@ -125,10 +140,11 @@ at::Tensor greedy_lm_head(const at::Tensor& x, const at::Tensor& weight, const a
   const int64_t lda = approx.stride(0);
   pool::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<int64_t> cand;
+    thread_local std::vector<float> span_top;
     for (int64_t m = begin; m < end; ++m) {
       const float* row = xp + m * K;
       cand.clear();
-      const bool finite = candidates(ap + m * lda, np, n, row_bound(row, K, float(max_norm)), cand);
+      const bool finite = candidates(ap + m * lda, np, n, row_bound(row, K, float(max_norm)), span_top, cand);
       op[m] = finite ? exact_argmax(row, K, wp, cand) : -1;
     }
   });
