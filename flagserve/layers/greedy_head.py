@@ -5,8 +5,8 @@ oneDNN's bfloat16 matmul bounds every logit, and only the tokens that could be t
 are recomputed in float32 (kernels/csrc/cpu_greedy_head.cpp has the bound and why the token
 is the float32 argmax's, not an approximation). For an LM head packed for the native
 float32 kernel, on one tensor-parallel rank. FLAGSERVE_CPU_GREEDY_HEAD:
-- auto (default): where the CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX); emulated
-  it is no faster than the float32 kernel;
+- auto (default): where the CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX), where it
+  was measured (docs/performance.md); emulated bfloat16 is not;
 - on: wherever the native kernels run (tests), bfloat16 by oneDNN or else by F.linear;
 - off: every step computes its float32 logits.
 """
