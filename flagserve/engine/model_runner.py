@@ -205,13 +205,6 @@ class ModelRunner:
         seqs = [self.seqs[step.seq_ids[i]] for i in step.sample_indices]
         return sampling_batch(seqs, step, self.cfg.vocab_size, self.eos_token_ids, self.device)
 
-    def greedy_tokens(self, hidden: torch.Tensor, batch: SamplingBatch | None) -> torch.Tensor | None:
-        """An all-greedy batch's tokens from the LM head without its logits where it can
-        (layers/greedy_head.py), else None."""
-        if batch is None or not plain_greedy(batch):
-            return None
-        return self.model.greedy_tokens(hidden)
-
     def execute(self, step: StepInput, defer: bool = False) -> SamplerOutput | DeviceSamples | None:
         """The sampled tokens on the sampling shard (None when nothing samples), else None.
         defer (async scheduling, TP = PP = 1): the samples as the device will have them, a
@@ -255,7 +248,8 @@ class ModelRunner:
         if keep is None:
             hidden = hidden[prepared.logits_indices]
         batch = self.sampling_batch(step) if par.samples else None
-        tokens = self.greedy_tokens(hidden, batch)
+        # an all-greedy batch's tokens without its logits, where the LM head can (greedy_head.py)
+        tokens = self.model.greedy_tokens(hidden) if batch is not None and plain_greedy(batch) else None
         logits = None if tokens is not None else self.model.compute_logits(hidden)  # None off TP rank 0
         if self.device.type == "cuda" and not defer:
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward
