@@ -18,6 +18,7 @@ import torch
 
 from kernels.activation import silu_and_mul_torch
 from kernels.decode_attention import paged_decode_attention_torch
+from kernels.env import env_flag
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.rms_norm import fused_add_rms_norm_torch, rms_norm_torch
 from kernels.rotary_store import rotary_store_kvcache_torch
@@ -68,10 +69,6 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def interpreter_enabled() -> bool:

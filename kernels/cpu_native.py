@@ -26,15 +26,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
 import time
 from functools import cache
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
 from kernels.backend import KernelOps
+from kernels.env import env_choice
 from kernels.out_arg import written
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.rms_norm import rms_norm_torch
@@ -100,10 +100,7 @@ def load_library() -> bool:
 
 
 def kernels_mode(requested: str | None = None) -> CpuKernels:
-    mode = requested if requested is not None else os.environ.get(KERNELS_ENV, "auto")
-    if mode not in get_args(CpuKernels):
-        raise ValueError(f"{KERNELS_ENV} must be one of {get_args(CpuKernels)}, got {mode!r}")
-    return mode
+    return env_choice(KERNELS_ENV, CpuKernels, "auto", requested)
 
 
 def available(mode: str | None = None) -> bool:

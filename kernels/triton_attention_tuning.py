@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.backend import env_flag, interpreter_enabled
+from kernels.backend import interpreter_enabled
+from kernels.env import env_flag
 
 AUTOTUNE_ENV = "FLAGSERVE_TRITON_AUTOTUNE"
 

@@ -26,12 +26,13 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 from torch import nn
 
 from kernels import KernelOps
+from kernels.env import env_choice
 
 log = logging.getLogger(__name__)
 CpuCompile = Literal["off", "ops"]
@@ -41,9 +42,7 @@ CACHE_DIR = Path.home() / ".cache" / "flagserve" / "inductor"
 
 
 def compile_mode(enforce_eager: bool, requested: str | None = None) -> CpuCompile:
-    mode = requested if requested is not None else os.environ.get(COMPILE_ENV, "off")
-    if mode not in get_args(CpuCompile):
-        raise ValueError(f"{COMPILE_ENV} must be one of {get_args(CpuCompile)}, got {mode!r}")
+    mode = env_choice(COMPILE_ENV, CpuCompile, "off", requested)
     return "off" if enforce_eager else mode
 
 

@@ -31,20 +31,22 @@ FLAGSERVE_CPU_THREAD_TUNING=on (default where the engine has more than one threa
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 from collections.abc import Callable
+from typing import Literal
+
+from kernels.env import env_choice
 
 log = logging.getLogger(__name__)
 
 TUNING_ENV = "FLAGSERVE_CPU_THREAD_TUNING"
 
 
+Switch = Literal["on", "off"]
+
+
 def tuning_enabled(num_threads: int, env: dict[str, str] | None = None) -> bool:
-    value = (os.environ if env is None else env).get(TUNING_ENV, "on")
-    if value not in ("on", "off"):
-        raise ValueError(f"{TUNING_ENV} must be on or off, got {value!r}")
-    return value == "on" and num_threads > 1
+    return env_choice(TUNING_ENV, Switch, "on", environ=env) == "on" and num_threads > 1
 
 
 class ThreadTuner:

@@ -23,13 +23,13 @@ AVX2-only CPU has none), else aten.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
 from kernels import cpu_native
+from kernels.env import env_choice
 
 CpuMatmul = Literal["auto", "aten", "native", "onednn"]
 MATMUL_ENV = "FLAGSERVE_CPU_MATMUL"
@@ -41,9 +41,7 @@ BATCH_HINT = 64
 def matmul_mode(device: torch.device, dtype: torch.dtype, requested: str | None = None) -> CpuMatmul:
     """`aten` or `onednn` for a model on `device` in `dtype`; `requested` defaults to the
     environment's FLAGSERVE_CPU_MATMUL."""
-    mode = requested if requested is not None else os.environ.get(MATMUL_ENV, "auto")
-    if mode not in get_args(CpuMatmul):
-        raise ValueError(f"{MATMUL_ENV} must be one of {get_args(CpuMatmul)}, got {mode!r}")
+    mode = env_choice(MATMUL_ENV, CpuMatmul, "auto", requested)
     cpu = device.type == "cpu"
     cpu_float32 = cpu and dtype == torch.float32
     onednn = cpu and torch.backends.mkldnn.is_available() and (

@@ -12,26 +12,23 @@ float32 kernel, on one tensor-parallel rank. FLAGSERVE_CPU_GREEDY_HEAD:
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from flagserve.layers.cpu_matmul import PackedWeight, bf16_supported, pack_weight
 from kernels import cpu_native
+from kernels.env import env_choice
 
 GreedyHeadMode = Literal["auto", "on", "off"]
 GREEDY_HEAD_ENV = "FLAGSERVE_CPU_GREEDY_HEAD"
 
 
 def greedy_head_mode() -> GreedyHeadMode:
-    mode = os.environ.get(GREEDY_HEAD_ENV, "auto")
-    if mode not in get_args(GreedyHeadMode):
-        raise ValueError(f"{GREEDY_HEAD_ENV} must be one of {get_args(GreedyHeadMode)}, got {mode!r}")
-    return mode
+    return env_choice(GREEDY_HEAD_ENV, GreedyHeadMode, "auto")
 
 
 def hardware_bf16() -> bool:
