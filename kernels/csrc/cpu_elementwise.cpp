@@ -10,6 +10,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "cpu_pool.h"
 
 #include <algorithm>
@@ -186,6 +187,22 @@ void rotary_store_kvcache(const at::Tensor& positions, at::Tensor q, at::Tensor 
 }
 
 }  // namespace
+
+at::Tensor cpu_ops::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return ::rms_norm(x, weight, eps);
+}
+std::tuple<at::Tensor, at::Tensor> cpu_ops::fused_add_rms_norm(const at::Tensor& x,
+                                                               const at::Tensor& residual,
+                                                               const at::Tensor& weight, double eps) {
+  return ::fused_add_rms_norm(x, residual, weight, eps);
+}
+at::Tensor cpu_ops::silu_and_mul(const at::Tensor& x) { return ::silu_and_mul(x); }
+void cpu_ops::rotary_store_kvcache(const at::Tensor& positions, const at::Tensor& q,
+                                   const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache) {
+  ::rotary_store_kvcache(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache);
+}
 
 TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

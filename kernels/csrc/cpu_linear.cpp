@@ -11,6 +11,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "cpu_pool.h"
 
 #include <algorithm>
@@ -182,6 +183,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }
 
 }  // namespace
+
+at::Tensor cpu_ops::packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                  const c10::optional<at::Tensor>& bias) {
+  return ::packed_linear(x, packed, n, bias);
+}
 
 TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");

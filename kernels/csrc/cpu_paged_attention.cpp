@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "cpu_paged_blocks.h"
+#include "cpu_ops.h"
 #include "cpu_pool.h"
 
 #include <algorithm>
@@ -346,6 +347,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 }  // namespace
+
+at::Tensor cpu_ops::paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                           const at::Tensor& seq_lens, double scale) {
+  return ::paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale);
+}
 
 TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "

@@ -1,0 +1,83 @@
+"""A decode step's decoder layers as one native call on CPU (kernels/csrc/cpu_decode_layers.cpp).
+
+The Python layers call one kernel after another; between them their own code and torch's
+dispatcher run cold (the kernel before streamed its weights or KV cache through L2), 30-100
+us per op: ~12% of a 4-row decode step (docs/performance.md, CPU). The native call runs the
+same kernels in the same order, so its outputs are the Python path's exactly. It takes a
+step when every row decodes and the layers run the native float32 kernels with TP = 1 and no
+q/k norm; FLAGSERVE_CPU_DECODE_LAYERS=off keeps the Python path.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from flagserve.layers.attention_metadata import AttentionMetadata
+from kernels import cpu_native
+from kernels.env import env_choice
+
+DECODE_LAYERS_ENV = "FLAGSERVE_CPU_DECODE_LAYERS"
+Switch = Literal["on", "off"]
+NATIVE_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_store_kvcache",
+              "paged_decode_attention")
+
+
+def _linears(layer: nn.Module) -> list[nn.Module]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def supported(layers: nn.ModuleList, tp_size: int, qk_norm: bool) -> bool:
+    """Whether these layers can run as one native call (checked once, after packing)."""
+    if env_choice(DECODE_LAYERS_ENV, Switch, "on") == "off" or tp_size != 1 or qk_norm:
+        return False
+    if len(layers) == 0 or not cpu_native.available():
+        return False
+    for layer in layers:
+        ops = layer.self_attn.attn.ops
+        if any(getattr(ops, name) is not getattr(cpu_native, f"{name}_cpu") for name in NATIVE_OPS):
+            return False  # the reference ops, or inductor's (FLAGSERVE_CPU_COMPILE)
+        if any(lin.packed is None or lin.packed.mode != "native" for lin in _linears(layer)):
+            return False
+    return True
+
+
+class NativeDecode:
+    def __init__(self, layers: nn.ModuleList, num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float):
+        self.layers = layers
+        self.shape = (num_heads, num_kv_heads, head_dim, intermediate)
+        self.eps = eps
+        self._args: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
+        self._cache: torch.Tensor | None = None  # the first layer's K cache when _args was made
+
+    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one it runs: every row a decode, float32 on CPU."""
+        return (meta.num_decode_tokens == hidden.shape[0] and not meta.whole_prompts
+                and hidden.dtype == torch.float32 and hidden.device.type == "cpu")
+
+    def _weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        attn0 = self.layers[0].self_attn.attn
+        if self._args is None or self._cache is not attn0.k_cache:  # caches bound (again)
+            weights, biases = [], []
+            for layer in self.layers:
+                qkv, o, gate_up, down = _linears(layer)
+                cache = layer.self_attn.attn
+                weights += [layer.input_layernorm.weight, qkv.packed.data, o.packed.data,
+                            layer.post_attention_layernorm.weight, gate_up.packed.data,
+                            down.packed.data, cache.k_cache, cache.v_cache]
+                biases += [lin.bias for lin in (qkv, o, gate_up, down)]
+            self._args, self._cache = (weights, biases), attn0.k_cache
+        return self._args
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
+                 residual: torch.Tensor | None, meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, biases = self._weights()
+        layer0 = self.layers[0]
+        return torch.ops.flagserve_cpu.decode_layers(
+            hidden, residual, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            layer0.self_attn.rotary.cos_sin_cache, weights, biases, *self.shape, self.eps,
+            layer0.self_attn.attn.scale)

@@ -1,0 +1,70 @@
+// A decode step's decoder layers in one call (issue 16): the same kernels in the same order
+// as the Python layers (flagserve/models/decoder.py), called from C++.
+//
+// Between a step's kernels the Python path runs its own code and torch's dispatcher, and
+// every kernel before it has just streamed megabytes of weights or KV cache through L2: that
+// code runs cold, 30-100 us per op where it takes 2-10 us warm, ~12% of a 4-row step
+// (docs/performance.md, CPU). Called from here the same kernels pay none of it. The outputs
+// are the Python path's exactly (tests/test_decode_layers.py).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "cpu_ops.h"
+
+namespace {
+
+constexpr int64_t kPerLayer = 8;  // weights per layer, in order (see decode_layers)
+constexpr int64_t kBiasesPerLayer = 4;
+
+// weights, per layer: input norm, qkv (packed), o (packed), post-attention norm, gate_up
+// (packed), down (packed), K cache, V cache; biases, per layer: qkv, o, gate_up, down (each
+// may be None). Returns (hidden, residual) after the last layer, as DecoderLayer does.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& hidden, const c10::optional<at::Tensor>& residual_in,
+    const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache, at::TensorList weights,
+    const c10::List<c10::optional<at::Tensor>>& biases, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t intermediate, double eps, double scale) {
+  TORCH_CHECK(weights.size() % kPerLayer == 0 &&
+              biases.size() == weights.size() / kPerLayer * kBiasesPerLayer,
+              "decode_layers: 8 weights and 4 biases per layer");
+  const int64_t T = hidden.size(0), H = hidden.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  at::Tensor h = hidden;
+  at::Tensor residual = residual_in.has_value() ? *residual_in : at::Tensor();
+  for (size_t l = 0; l * kPerLayer < weights.size(); ++l) {
+    const at::Tensor* w = weights.data() + l * kPerLayer;
+    const auto bias = [&](int64_t i) { return biases.get(l * kBiasesPerLayer + i); };
+    at::Tensor x;
+    if (residual.defined()) {
+      std::tie(x, residual) = cpu_ops::fused_add_rms_norm(h, residual, w[0], eps);
+    } else {
+      x = cpu_ops::rms_norm(h, w[0], eps);
+      residual = h;
+    }
+    at::Tensor qkv = cpu_ops::packed_linear(x, w[1], q_size + 2 * kv_size, bias(0));
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    cpu_ops::rotary_store_kvcache(positions, q, k, v, w[6], w[7], slot_mapping, cos_sin_cache);
+    at::Tensor attn = cpu_ops::paged_decode_attention(q, w[6], w[7], block_tables, seq_lens, scale);
+    h = cpu_ops::packed_linear(attn.view({T, q_size}), w[2], H, bias(1));
+    std::tie(x, residual) = cpu_ops::fused_add_rms_norm(h, residual, w[3], eps);
+    at::Tensor act = cpu_ops::silu_and_mul(cpu_ops::packed_linear(x, w[4], 2 * intermediate, bias(2)));
+    h = cpu_ops::packed_linear(act, w[5], H, bias(3));
+  }
+  return {h, residual};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
+  m.def("decode_layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor cos_sin_cache, Tensor[] weights, "
+        "Tensor?[] biases, int num_heads, int num_kv_heads, int head_dim, int intermediate, "
+        "float eps, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(flagserve_cpu, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+}

@@ -1,0 +1,25 @@
+// The native CPU kernels as C++ calls, for kernels that run others (cpu_decode_layers.cpp)
+// without a trip through Python and torch's dispatcher. Each is the registered op's own
+// function (defined beside it, same checks, same numerics).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace cpu_ops {
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void rotary_store_kvcache(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                          const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale);
+
+}  // namespace cpu_ops
