@@ -7,11 +7,16 @@
 // (docs/performance.md, CPU). Called from here the same kernels pay none of it. The outputs
 // are the Python path's exactly (tests/test_decode_layers.py).
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include "cpu_ops.h"
 
 namespace {
+
+// Each kernel under its op's name in a torch profile, as on the Python path (a check of a
+// flag when no profiler runs).
+#define KERNEL(name, call) [&] { RECORD_FUNCTION("flagserve_cpu::" name, std::vector<c10::IValue>()); return call; }()
 
 constexpr int64_t kPerLayer = 8;  // weights per layer, in order (see decode_layers)
 constexpr int64_t kBiasesPerLayer = 4;
@@ -37,24 +42,29 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const auto bias = [&](int64_t i) { return biases.get(l * kBiasesPerLayer + i); };
     at::Tensor x;
     if (residual.defined()) {
-      std::tie(x, residual) = cpu_ops::fused_add_rms_norm(h, residual, w[0], eps);
+      std::tie(x, residual) = KERNEL("fused_add_rms_norm", cpu_ops::fused_add_rms_norm(h, residual, w[0], eps));
     } else {
-      x = cpu_ops::rms_norm(h, w[0], eps);
+      x = KERNEL("rms_norm", cpu_ops::rms_norm(h, w[0], eps));
       residual = h;
     }
-    at::Tensor qkv = cpu_ops::packed_linear(x, w[1], q_size + 2 * kv_size, bias(0));
+    at::Tensor qkv = KERNEL("packed_linear", cpu_ops::packed_linear(x, w[1], q_size + 2 * kv_size, bias(0)));
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
-    cpu_ops::rotary_store_kvcache(positions, q, k, v, w[6], w[7], slot_mapping, cos_sin_cache);
-    at::Tensor attn = cpu_ops::paged_decode_attention(q, w[6], w[7], block_tables, seq_lens, scale);
-    h = cpu_ops::packed_linear(attn.view({T, q_size}), w[2], H, bias(1));
-    std::tie(x, residual) = cpu_ops::fused_add_rms_norm(h, residual, w[3], eps);
-    at::Tensor act = cpu_ops::silu_and_mul(cpu_ops::packed_linear(x, w[4], 2 * intermediate, bias(2)));
-    h = cpu_ops::packed_linear(act, w[5], H, bias(3));
+    KERNEL("rotary_store_kvcache",
+           cpu_ops::rotary_store_kvcache(positions, q, k, v, w[6], w[7], slot_mapping, cos_sin_cache));
+    at::Tensor attn = KERNEL("paged_decode_attention",
+                             cpu_ops::paged_decode_attention(q, w[6], w[7], block_tables, seq_lens, scale));
+    h = KERNEL("packed_linear", cpu_ops::packed_linear(attn.view({T, q_size}), w[2], H, bias(1)));
+    std::tie(x, residual) = KERNEL("fused_add_rms_norm", cpu_ops::fused_add_rms_norm(h, residual, w[3], eps));
+    at::Tensor gate_up = KERNEL("packed_linear", cpu_ops::packed_linear(x, w[4], 2 * intermediate, bias(2)));
+    at::Tensor act = KERNEL("silu_and_mul", cpu_ops::silu_and_mul(gate_up));
+    h = KERNEL("packed_linear", cpu_ops::packed_linear(act, w[5], H, bias(3)));
   }
   return {h, residual};
 }
+
+#undef KERNEL
 
 }  // namespace
 
