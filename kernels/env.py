@@ -1,7 +1,9 @@
 """Settings read from the environment, each checked against its mode's choices."""
 import os
 from collections.abc import Mapping
-from typing import Any, get_args
+from typing import Any, Literal, get_args
+
+Switch = Literal["on", "off"]  # a setting that is on or off
 
 
 def env_flag(name: str) -> bool:

@@ -52,7 +52,7 @@ def test_it_stands_aside_where_the_layers_differ(tiny_model_factory, monkeypatch
             monkeypatch.setenv(name, value)
         llm = LLM(path, dtype="float32", device="cpu")
         llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
-        return llm.llm_engine.executor.runner.model.native_decode()
+        return llm.llm_engine.executor.runner.model.native_decode
 
     llama = tiny_model_factory("llama")
     assert native(llama, **{DECODE_LAYERS_ENV: "on"}) is not None

@@ -33,16 +33,12 @@ from __future__ import annotations
 import logging
 import statistics
 from collections.abc import Callable
-from typing import Literal
 
-from kernels.env import env_choice
+from kernels.env import Switch, env_choice
 
 log = logging.getLogger(__name__)
 
 TUNING_ENV = "FLAGSERVE_CPU_THREAD_TUNING"
-
-
-Switch = Literal["on", "off"]
 
 
 def tuning_enabled(num_threads: int, env: dict[str, str] | None = None) -> bool:

@@ -4,6 +4,7 @@ The differences between these architectures are config fields, not code paths wo
 files: GQA, head_dim, qkv bias, q/k RMSNorm, tied embeddings and rope scaling.
 """
 from collections.abc import Iterable
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -121,7 +122,6 @@ class DecoderForCausalLM(nn.Module):
                                           par.tp_group)
             if cfg.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
-        self._native: native_decode.NativeDecode | None | bool = False  # False: not decided yet
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -136,7 +136,7 @@ class DecoderForCausalLM(nn.Module):
         a prefill chunk's rows but its last (exact: every row is computed alone)."""
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)
-        native = self.native_decode()
+        native = self.native_decode
         if native is not None and keep is None and native.takes(hidden, meta):
             hidden, residual = native(positions, hidden, residual, meta)
         else:
@@ -148,18 +148,14 @@ class DecoderForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden, None
 
+    @cached_property
     def native_decode(self) -> native_decode.NativeDecode | None:
         """The layers as one native call for decode steps, where they can (decided on the first
         forward: the weights are packed for the CPU after the model is built)."""
-        if self._native is False:
-            cfg, attn = self.config, self.layers[0].self_attn if len(self.layers) else None
-            self._native = None
-            if attn is not None and native_decode.supported(self.layers, self.parallel.tp_size,
-                                                            cfg.qk_norm):
-                self._native = native_decode.NativeDecode(
-                    self.layers, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                    self.layers[0].mlp.gate_up_proj.packed.out_features // 2, cfg.rms_norm_eps)
-        return self._native
+        cfg = self.config
+        if not native_decode.supported(self.layers, self.parallel.tp_size, cfg.qk_norm):
+            return None
+        return native_decode.NativeDecode(self.layers, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)

@@ -9,17 +9,14 @@ q/k norm; FLAGSERVE_CPU_DECODE_LAYERS=off keeps the Python path.
 """
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import nn
 
 from flagserve.layers.attention_metadata import AttentionMetadata
 from kernels import cpu_native
-from kernels.env import env_choice
+from kernels.env import Switch, env_choice
 
 DECODE_LAYERS_ENV = "FLAGSERVE_CPU_DECODE_LAYERS"
-Switch = Literal["on", "off"]
 NATIVE_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_store_kvcache",
               "paged_decode_attention")
 
@@ -45,18 +42,19 @@ def supported(layers: nn.ModuleList, tp_size: int, qk_norm: bool) -> bool:
 
 
 class NativeDecode:
-    def __init__(self, layers: nn.ModuleList, num_heads: int, num_kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float):
+    def __init__(self, layers: nn.ModuleList, eps: float):
         self.layers = layers
-        self.shape = (num_heads, num_kv_heads, head_dim, intermediate)
+        attn = layers[0].self_attn
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                      layers[0].mlp.gate_up_proj.packed.out_features // 2)
         self.eps = eps
         self._args: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
         self._cache: torch.Tensor | None = None  # the first layer's K cache when _args was made
 
     def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step is one it runs: every row a decode, float32 on CPU."""
-        return (meta.num_decode_tokens == hidden.shape[0] and not meta.whole_prompts
-                and hidden.dtype == torch.float32 and hidden.device.type == "cpu")
+        """Whether this step is one it runs: every row a decode (float32 on CPU is given:
+        supported() found the native float32 kernels)."""
+        return meta.num_decode_tokens == hidden.shape[0] and not meta.whole_prompts
 
     def _weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         attn0 = self.layers[0].self_attn.attn

@@ -73,28 +73,6 @@ void check_rows(const at::Tensor& x, const at::Tensor& w) {
               w.scalar_type() == x.scalar_type(), "weight: [hidden], the activations' dtype");
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, weight);
-  auto out = at::empty(x.sizes(), x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(x, x, weight, eps, out, nullptr);
-  });
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                      const at::Tensor& weight, double eps) {
-  check_rows(x, weight);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 &&
-              residual.scalar_type() == x.scalar_type(), "residual: like x");
-  auto out = at::empty(x.sizes(), x.options());
-  auto res_out = at::empty(x.sizes(), x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    rms_norm_rows<scalar_t>(x, residual, weight, eps, out, &res_out);
-  });
-  return {out, res_out};
-}
-
 template <typename T>
 void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), half = x.size(1) / 2;
@@ -115,15 +93,6 @@ void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
       for (; i < half; ++i) o[i] = static_cast<T>(f(static_cast<T>(f(g[i]) / (1.f + std::exp(-f(g[i]))))) * f(u[i]));
     }
   });
-}
-
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x: [rows, 2 * width]");
-  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
-    silu_mul_rows<scalar_t>(x, out);
-  });
-  return out;
 }
 
 // Neox rotary of one head in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Every
@@ -172,9 +141,43 @@ void rotary_store_rows(const at::Tensor& pos, at::Tensor& q, at::Tensor& k, cons
   });
 }
 
-void rotary_store_kvcache(const at::Tensor& positions, at::Tensor q, at::Tensor k,
-                          const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
-                          const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache) {
+}  // namespace
+
+at::Tensor cpu_ops::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  auto out = at::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x, x, weight, eps, out, nullptr);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> cpu_ops::fused_add_rms_norm(const at::Tensor& x,
+                                                               const at::Tensor& residual,
+                                                               const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 &&
+              residual.scalar_type() == x.scalar_type(), "residual: like x");
+  auto out = at::empty(x.sizes(), x.options());
+  auto res_out = at::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x, residual, weight, eps, out, &res_out);
+  });
+  return {out, res_out};
+}
+
+at::Tensor cpu_ops::silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x: [rows, 2 * width]");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_mul_rows<scalar_t>(x, out);
+  });
+  return out;
+}
+
+void cpu_ops::rotary_store_kvcache(const at::Tensor& positions, at::Tensor q, at::Tensor k,
+                                   const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                                   const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "heads' rows contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
@@ -186,24 +189,6 @@ void rotary_store_kvcache(const at::Tensor& positions, at::Tensor q, at::Tensor 
   });
 }
 
-}  // namespace
-
-at::Tensor cpu_ops::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return ::rms_norm(x, weight, eps);
-}
-std::tuple<at::Tensor, at::Tensor> cpu_ops::fused_add_rms_norm(const at::Tensor& x,
-                                                               const at::Tensor& residual,
-                                                               const at::Tensor& weight, double eps) {
-  return ::fused_add_rms_norm(x, residual, weight, eps);
-}
-at::Tensor cpu_ops::silu_and_mul(const at::Tensor& x) { return ::silu_and_mul(x); }
-void cpu_ops::rotary_store_kvcache(const at::Tensor& positions, const at::Tensor& q,
-                                   const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache) {
-  ::rotary_store_kvcache(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache);
-}
-
 TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -213,8 +198,8 @@ TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(flagserve_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary_store_kvcache", &rotary_store_kvcache);
+  m.impl("rms_norm", &cpu_ops::rms_norm);
+  m.impl("fused_add_rms_norm", &cpu_ops::fused_add_rms_norm);
+  m.impl("silu_and_mul", &cpu_ops::silu_and_mul);
+  m.impl("rotary_store_kvcache", &cpu_ops::rotary_store_kvcache);
 }

@@ -121,8 +121,10 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({tiles, kTile, K}).transpose(1, 2).contiguous();
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                        const c10::optional<at::Tensor>& bias) {
+}  // namespace
+
+at::Tensor cpu_ops::packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                                 const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
               "x: [M, K] float32, rows contiguous");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kTile &&
@@ -182,13 +184,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return out;
 }
 
-}  // namespace
-
-at::Tensor cpu_ops::packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                                  const c10::optional<at::Tensor>& bias) {
-  return ::packed_linear(x, packed, n, bias);
-}
-
 TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
@@ -196,5 +191,5 @@ TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
 
 TORCH_LIBRARY_IMPL(flagserve_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
-  m.impl("packed_linear", &packed_linear);
+  m.impl("packed_linear", &cpu_ops::packed_linear);
 }

@@ -15,8 +15,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                       const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
-void rotary_store_kvcache(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
-                          const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+void rotary_store_kvcache(const at::Tensor& positions, at::Tensor q, at::Tensor k,
+                          const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                           const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,

@@ -328,9 +328,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
+}  // namespace
+
+at::Tensor cpu_ops::paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                           const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [batch, heads, head_dim], rows contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
@@ -346,19 +348,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-}  // namespace
-
-at::Tensor cpu_ops::paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                           const at::Tensor& seq_lens, double scale) {
-  return ::paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale);
-}
-
 TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flagserve_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &cpu_ops::paged_decode_attention);
 }
