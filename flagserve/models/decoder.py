@@ -16,7 +16,7 @@ from flagserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from flagserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from flagserve.layers.norm import RMSNorm
 from flagserve.layers.rotary import RotaryEmbedding
-from flagserve.models import native_decode
+from flagserve.models import native_layers
 from flagserve.models.config import ModelConfig
 from kernels import KernelOps
 
@@ -136,9 +136,9 @@ class DecoderForCausalLM(nn.Module):
         a prefill chunk's rows but its last (exact: every row is computed alone)."""
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)
-        native = self.native_decode
-        if native is not None and keep is None and native.takes(hidden, meta):
-            hidden, residual = native(positions, hidden, residual, meta)
+        native = self.native_layers
+        if native is not None:
+            hidden, residual = native(positions, hidden, residual, meta, keep)
         else:
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
@@ -149,13 +149,13 @@ class DecoderForCausalLM(nn.Module):
         return hidden, None
 
     @cached_property
-    def native_decode(self) -> native_decode.NativeDecode | None:
-        """The layers as one native call for decode steps, where they can (decided on the first
-        forward: the weights are packed for the CPU after the model is built)."""
+    def native_layers(self) -> native_layers.NativeLayers | None:
+        """The layers as one native call, where they can (decided on the first forward: the
+        weights are packed for the CPU after the model is built)."""
         cfg = self.config
-        if not native_decode.supported(self.layers, self.parallel.tp_size, cfg.qk_norm):
+        if not native_layers.supported(self.layers, self.parallel.tp_size, cfg.qk_norm):
             return None
-        return native_decode.NativeDecode(self.layers, cfg.rms_norm_eps)
+        return native_layers.NativeLayers(self.layers, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)

@@ -1,4 +1,4 @@
-// The native CPU kernels as C++ calls, for kernels that run others (cpu_decode_layers.cpp)
+// The native CPU kernels as C++ calls, for kernels that run others (cpu_decoder_layers.cpp)
 // without a trip through Python and torch's dispatcher. Each is the registered op's own
 // function (defined beside it, same checks, same numerics).
 #pragma once
@@ -21,5 +21,9 @@ void rotary_store_kvcache(const at::Tensor& positions, at::Tensor q, at::Tensor 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale);
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                                   double scale);
 
 }  // namespace cpu_ops

@@ -16,6 +16,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "cpu_paged_blocks.h"
 #include "cpu_pool.h"
 
@@ -151,10 +152,13 @@ std::vector<Tile> make_tiles(const int32_t* cu_q, const int32_t* lens, int64_t B
   return tiles;
 }
 
-at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                   const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                                   double scale) {
+}  // namespace
+
+at::Tensor cpu_ops::paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                            const at::Tensor& v_cache,
+                                            const at::Tensor& block_tables,
+                                            const at::Tensor& cu_seqlens_q,
+                                            const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
               v_cache.scalar_type() == at::kFloat, "the native prefill attention is float32 only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [tokens, heads, head_dim], rows contiguous");
@@ -202,7 +206,6 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   return out;
 }
 
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -210,5 +213,5 @@ TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(flagserve_cpu, CPU, m) {
-  m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("paged_prefill_attention", &cpu_ops::paged_prefill_attention);
 }

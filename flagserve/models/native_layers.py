@@ -1,11 +1,11 @@
-"""A decode step's decoder layers as one native call on CPU (kernels/csrc/cpu_decode_layers.cpp).
+"""A step's decoder layers as one native call on CPU (kernels/csrc/cpu_decoder_layers.cpp).
 
 The Python layers call one kernel after another; between them their own code and torch's
 dispatcher run cold (the kernel before streamed its weights or KV cache through L2), 30-100
 us per op: ~12% of a 4-row decode step (docs/performance.md, CPU). The native call runs the
-same kernels in the same order, so its outputs are the Python path's exactly. It takes a
-step when every row decodes and the layers run the native float32 kernels with TP = 1 and no
-q/k norm; FLAGSERVE_CPU_DECODE_LAYERS=off keeps the Python path.
+same kernels in the same order, so its outputs are the Python path's exactly. It runs every
+step (decodes, prompt chunks, both) when the layers run the native float32 kernels with
+TP = 1 and no q/k norm; FLAGSERVE_CPU_NATIVE_LAYERS=off keeps the Python path.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from flagserve.layers.attention_metadata import AttentionMetadata
 from kernels import cpu_native
 from kernels.env import Switch, env_choice
 
-DECODE_LAYERS_ENV = "FLAGSERVE_CPU_DECODE_LAYERS"
+NATIVE_LAYERS_ENV = "FLAGSERVE_CPU_NATIVE_LAYERS"
 NATIVE_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_store_kvcache",
-              "paged_decode_attention")
+              "paged_decode_attention", "paged_prefill_attention")
 
 
 def _linears(layer: nn.Module) -> list[nn.Module]:
@@ -28,7 +28,7 @@ def _linears(layer: nn.Module) -> list[nn.Module]:
 
 def supported(layers: nn.ModuleList, tp_size: int, qk_norm: bool) -> bool:
     """Whether these layers can run as one native call (checked once, after packing)."""
-    if env_choice(DECODE_LAYERS_ENV, Switch, "on") == "off" or tp_size != 1 or qk_norm:
+    if env_choice(NATIVE_LAYERS_ENV, Switch, "on") == "off" or tp_size != 1 or qk_norm:
         return False
     if len(layers) == 0 or not cpu_native.available():
         return False
@@ -36,12 +36,14 @@ def supported(layers: nn.ModuleList, tp_size: int, qk_norm: bool) -> bool:
         ops = layer.self_attn.attn.ops
         if any(getattr(ops, name) is not getattr(cpu_native, f"{name}_cpu") for name in NATIVE_OPS):
             return False  # the reference ops, or inductor's (FLAGSERVE_CPU_COMPILE)
+        if ops.prefill_attention is not None:
+            return False  # whole prompts over their own rows: not what the native call runs
         if any(lin.packed is None or lin.packed.mode != "native" for lin in _linears(layer)):
             return False
     return True
 
 
-class NativeDecode:
+class NativeLayers:
     def __init__(self, layers: nn.ModuleList, eps: float):
         self.layers = layers
         attn = layers[0].self_attn
@@ -50,11 +52,6 @@ class NativeDecode:
         self.eps = eps
         self._args: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
         self._cache: torch.Tensor | None = None  # the first layer's K cache when _args was made
-
-    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step is one it runs: every row a decode (float32 on CPU is given:
-        supported() found the native float32 kernels)."""
-        return meta.num_decode_tokens == hidden.shape[0] and not meta.whole_prompts
 
     def _weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         attn0 = self.layers[0].self_attn.attn
@@ -71,11 +68,12 @@ class NativeDecode:
         return self._args
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
-                 residual: torch.Tensor | None, meta: AttentionMetadata
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 residual: torch.Tensor | None, meta: AttentionMetadata,
+                 keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """DecoderLayer.forward over all the layers; keep as there (the last layer's rows)."""
         weights, biases = self._weights()
-        layer0 = self.layers[0]
-        return torch.ops.flagserve_cpu.decode_layers(
+        self_attn = self.layers[0].self_attn
+        return torch.ops.flagserve_cpu.decoder_layers(
             hidden, residual, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-            layer0.self_attn.rotary.cos_sin_cache, weights, biases, *self.shape, self.eps,
-            layer0.self_attn.attn.scale)
+            meta.cu_seqlens_q, meta.num_decode_tokens, keep, self_attn.rotary.cos_sin_cache,
+            weights, biases, *self.shape, self.eps, self_attn.attn.scale)
