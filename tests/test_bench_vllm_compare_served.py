@@ -1,8 +1,21 @@
-"""compare_vllm_served's table: FlagServe's ratios against vLLM per rate (no servers run)."""
+"""compare_vllm_served without servers: FlagServe's ratios against vLLM per rate, the order
+the engines take each run, and the idle server paused."""
 import math
+import subprocess
+import sys
+
+import psutil
+import pytest
 
 from flagserve.bench.metrics import BenchmarkMetrics
-from flagserve.bench.vllm_compare_served import rate_name, run_names, table
+from flagserve.bench.vllm_compare_served import (
+    Server,
+    alternate,
+    paused,
+    rate_name,
+    run_names,
+    table,
+)
 
 
 def metrics(tok_s: float, ttft: float, itl: float, ttft_p99: float) -> BenchmarkMetrics:
@@ -28,3 +41,24 @@ def test_repeated_rates_get_a_row_each():
     assert run_names([4.0, 4.0, math.inf, 4.0]) == ["4 req/s #1", "4 req/s #2", "all at once",
                                                     "4 req/s #3"]
     assert run_names([1.0, math.inf]) == ["1 req/s", "all at once"]
+
+
+def test_the_first_engine_alternates_from_run_to_run():
+    engines = ["flagserve", "vllm"]
+    assert [alternate(engines, run) for run in range(3)] == [engines, engines[::-1], engines]
+    assert alternate(["flagserve"], 1) == ["flagserve"]
+
+
+def test_paused_stops_the_other_servers_processes_and_continues_them_even_on_error():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)
+    try:
+        proc = psutil.Process(child.pid)
+        server = Server("http://127.0.0.1:1", lambda: [proc])
+        with pytest.raises(RuntimeError), paused([server]):
+            assert proc.status() == psutil.STATUS_STOPPED
+            raise RuntimeError("a failed run")
+        assert proc.status() != psutil.STATUS_STOPPED
+    finally:
+        child.kill()
+        child.wait()

@@ -2,12 +2,17 @@
 
     python benchmarks/compare_vllm_served.py --vllm-python /tmp/vllm-venv/bin/python
 
-One server at a time, each with its defaults: FlagServe's default experiment (`run.py
---config-name serve`, SmolLM2 from its GGUF) and vLLM's api_server on the same weights in
-float32 with its CPU guide's runtime (compare_vllm's settings). Each is sent the same
-workloads by benchmarks/serve.py's client (default 100 random requests, 128 tokens in / 64
-out) at every --rates entry (req/s, `inf` = all at once); every run draws its own prompts
-(seed + run index), so no run measures a prefix cache the previous one filled.
+Both servers up at once, each with its defaults: FlagServe's default experiment (`run.py
+--config-name serve`, SmolLM2 from its GGUF) on --port and vLLM's api_server on the same
+weights in float32 with its CPU guide's runtime (compare_vllm's settings) on --port + 1. Each
+--rates entry (req/s, `inf` = all at once) is one run: its workload (benchmarks/serve.py's
+client; default 100 random requests, 128 tokens in / 64 out) goes to one server, then the
+same to the other, the first alternating from run to run, the other server's processes
+stopped meanwhile (SIGSTOP): idle, FlagServe's Ray daemons and Serve's loops took ~11% of a
+core and vLLM's ~1.5% (docs/performance.md, CPU), which would come out of the running
+engine's time. The VM's speed drifts by tens of percent over minutes, so a ratio is of runs
+minutes apart at most, not of one engine's block of runs against the other's. Every run draws its own
+prompts (seed + run index), so no run measures a prefix cache the previous one filled.
 """
 from __future__ import annotations
 
@@ -19,14 +24,19 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from flagserve.bench.client import Target
 from flagserve.bench.metrics import BenchmarkMetrics
 from flagserve.bench.suite import Settings, http_run, workload
 from flagserve.bench.vllm_compare import hf_directory, vllm_env
 from flagserve.cluster import http
+from flagserve.cluster.records import ExpPaths, ProcessRecord, load_processes
+from flagserve.cluster.sessions import session_members
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENT = "compare-vllm-served"
@@ -37,22 +47,30 @@ def wait_healthy(root: str, alive, timeout_s: float) -> None:
         raise RuntimeError(f"{root} not healthy: its server exited, or {timeout_s:.0f} s passed")
 
 
+@dataclass
+class Server:
+    root: str  # e.g. http://127.0.0.1:8123
+    processes: Callable[[], list[psutil.Process]]  # all of its processes, now
+
+
 @contextlib.contextmanager
-def flagserve_server(port: int, extra: list[str]) -> Iterator[str]:
+def flagserve_server(port: int, extra: list[str]) -> Iterator[Server]:
+    exp_dir = ROOT / "outputs" / EXPERIMENT
     overrides = [f"experiment.runner.deploy.port={port}", f"experiment.exp_name={EXPERIMENT}",
-                 *extra]
+                 f"experiment.exp_dir={exp_dir}", *extra]
     run = [sys.executable, "run.py", "--config-name", "serve", *overrides]
     subprocess.run([*run, "action=run"], cwd=ROOT, check=True)
     try:
         root = f"http://127.0.0.1:{port}"
         wait_healthy(root, lambda: True, 300)
-        yield root
+        yield Server(root, lambda: [p for record in load_processes(ExpPaths(exp_dir))
+                                    for p in session_members(record)])
     finally:
         subprocess.run([*run, "action=stop"], cwd=ROOT, check=False)
 
 
 @contextlib.contextmanager
-def vllm_server(python: str, model: str, port: int, kv_gib: int) -> Iterator[str]:
+def vllm_server(python: str, model: str, port: int, kv_gib: int) -> Iterator[Server]:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--dtype", "float32", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]
     # Its own session: the api_server and its engine-core child stop together, by this pid.
@@ -60,7 +78,9 @@ def vllm_server(python: str, model: str, port: int, kv_gib: int) -> Iterator[str
     try:
         root = f"http://127.0.0.1:{port}"
         wait_healthy(root, lambda: proc.poll() is None, 900)
-        yield root
+        record = ProcessRecord("vllm", proc.pid, psutil.Process(proc.pid).create_time(), cmd,
+                               None)
+        yield Server(root, lambda: session_members(record))
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -71,21 +91,50 @@ def vllm_server(python: str, model: str, port: int, kv_gib: int) -> Iterator[str
             proc.wait()
 
 
-def bench_server(root: str, model: str, args: argparse.Namespace) -> dict[str, BenchmarkMetrics]:
-    """{rate: metrics} of one server, the runs in --rates order."""
+@contextlib.contextmanager
+def paused(servers: list[Server]) -> Iterator[None]:
+    """These servers' processes stopped (SIGSTOP) while another one is measured, continued
+    after, also when the run fails. A whole FlagServe session stopped for a minute answered
+    at once after, its deployments healthy: Serve's controller and health checks stop too."""
+    procs = [p for server in servers for p in server.processes()]
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.suspend()
+    try:
+        yield
+    finally:
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.resume()
+
+
+def bench(servers: dict[str, Server], model: str, args: argparse.Namespace
+          ) -> dict[str, dict[str, BenchmarkMetrics]]:
+    """{engine: {run: metrics}}: each run's workload through every server in turn, the others
+    paused (module docstring), the runs in --rates order."""
     from flagserve.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
-    served = http.get(f"{root}/v1/models", timeout=30)
-    target = Target(root, json.loads(served)["data"][0]["id"])
-    out = {}
+    targets = {engine: Target(s.root, served_model(s.root)) for engine, s in servers.items()}
+    out: dict[str, dict[str, BenchmarkMetrics]] = {engine: {} for engine in servers}
     for i, (rate, name) in enumerate(zip(args.rates, run_names(args.rates), strict=True)):
         s = Settings(num_prompts=args.num_prompts, input_len=args.input_len,
                      output_len=args.output_len, request_rate=rate, seed=args.seed + i,
                      progress=False)
         samples, offsets = workload(s, tokenizer)
-        out[name] = http_run(name, target, s, samples, offsets).metrics
+        for engine in alternate(list(servers), i):
+            with paused([server for other, server in servers.items() if other != engine]):
+                out[engine][name] = http_run(name, targets[engine], s, samples, offsets).metrics
     return out
+
+
+def served_model(root: str) -> str:
+    return json.loads(http.get(f"{root}/v1/models", timeout=30))["data"][0]["id"]
+
+
+def alternate(engines: list[str], run: int) -> list[str]:
+    """The order the engines take run `run`: as given, then reversed, and so on."""
+    return engines if run % 2 == 0 else engines[::-1]
 
 
 def rate_name(rate: float) -> str:
@@ -134,7 +183,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--port", type=int, default=8123, help="FlagServe's; vLLM's is the next")
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engines", nargs="+", choices=["flagserve", "vllm"],
@@ -148,11 +197,13 @@ def main() -> None:
     from flagserve.models.packaged import smollm2_gguf
 
     model = hf_directory(str(smollm2_gguf()))
-    results = {}
-    if "flagserve" in args.engines:
-        with flagserve_server(args.port, args.flagserve_override) as root:
-            results["flagserve"] = bench_server(root, model, args)
-    if "vllm" in args.engines:
-        with vllm_server(args.vllm_python, model, args.port, args.kv_cache_gib) as root:
-            results["vllm"] = bench_server(root, model, args)
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        if "flagserve" in args.engines:
+            servers["flagserve"] = stack.enter_context(
+                flagserve_server(args.port, args.flagserve_override))
+        if "vllm" in args.engines:
+            servers["vllm"] = stack.enter_context(
+                vllm_server(args.vllm_python, model, args.port + 1, args.kv_cache_gib))
+        results = bench(servers, model, args)
     print(table(results), flush=True)

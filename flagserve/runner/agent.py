@@ -25,10 +25,11 @@ from pathlib import Path
 
 from flagserve.cluster import http
 from flagserve.cluster.records import ProcessRecord
+from flagserve.cluster.sessions import is_alive
 from flagserve.config.errors import ConfigError
 from flagserve.runner.console import tail
 from flagserve.runner.environment import _env_after
-from flagserve.runner.launcher import is_alive, server_grace_s, spawn, terminate
+from flagserve.runner.launcher import server_grace_s, spawn, terminate
 from flagserve.runner.ray_logs import remove_ray_temp_dir
 
 LOG_LINES = 30  # of a process's log, in the error when it fails to start

@@ -7,7 +7,6 @@ session id; `stop` signals the leader, then whatever is left in that session.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import psutil
 
 from flagserve.cluster.records import ProcessRecord
+from flagserve.cluster.sessions import live_process, session_members
 
 # How long `stop` waits for the serving process after SIGTERM, beyond the drain timeout: the
 # replicas' engines stop, then Serve and Ray shut down.
@@ -44,52 +44,11 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log: Path | None,
     return proc, record
 
 
-def _process(record: ProcessRecord) -> psutil.Process | None:
-    try:
-        proc = psutil.Process(record.pid)
-        if abs(proc.create_time() - record.create_time) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
-            return proc
-    except psutil.Error:
-        pass
-    return None
-
-
-def is_alive(record: ProcessRecord) -> bool:
-    return _process(record) is not None
-
-
-def session_members(record: ProcessRecord) -> list[psutil.Process]:
-    """Live processes in the session `record` started (sid == its pid), the leader included."""
-    if not record.session:
-        proc = _process(record)
-        return [proc] if proc else []
-    members = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(proc.pid) == record.pid and proc.status() != psutil.STATUS_ZOMBIE:
-                members.append(proc)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    leader = _process(record)
-    if leader is None and members and record.session:
-        # The leader is gone and its pid might be reused by a new session leader: only
-        # processes started after the recorded one can belong to it.
-        members = [p for p in members if _safe_create_time(p) >= record.create_time - 1.0]
-    return members
-
-
-def _safe_create_time(proc: psutil.Process) -> float:
-    try:
-        return proc.create_time()
-    except psutil.Error:
-        return 0.0
-
-
 def terminate(record: ProcessRecord, grace_s: float = 30.0) -> list[str]:
     """SIGTERM the leader (it shuts Serve and Ray down), then SIGTERM/SIGKILL what is left.
 
     Returns descriptions of processes that survived (empty: all gone)."""
-    leader = _process(record)
+    leader = live_process(record)
     if leader is not None:
         _signal(leader, signal.SIGTERM)
         wait_exited([leader], grace_s)

@@ -17,13 +17,14 @@ from flagserve.cluster import http
 from flagserve.cluster.port_owner import OwnerRecord, PortTakenError, take_port
 from flagserve.cluster.ray_env import LOCAL_HOST, ray_temp_dir
 from flagserve.cluster.records import ProcessRecord, clear, load_processes, load_ray, save_processes
+from flagserve.cluster.sessions import is_alive
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.runner.console import Progress, print_ready, same_command, tail
 from flagserve.runner.deployment import Deployment
 from flagserve.runner.environment import run_hook, server_env
-from flagserve.runner.launcher import is_alive, server_grace_s, spawn, terminate
+from flagserve.runner.launcher import server_grace_s, spawn, terminate
 from flagserve.runner.locate import running_elsewhere
 from flagserve.runner.ray_logs import remove_ray_temp_dir
 from flagserve.runner.ray_status import serve_status
