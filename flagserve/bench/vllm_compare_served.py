@@ -11,8 +11,9 @@ same to the other, the first alternating from run to run, the other server's pro
 stopped meanwhile (SIGSTOP): idle, FlagServe's Ray daemons and Serve's loops took ~11% of a
 core and vLLM's ~1.5% (docs/performance.md, CPU), which would come out of the running
 engine's time. The VM's speed drifts by tens of percent over minutes, so a ratio is of runs
-minutes apart at most, not of one engine's block of runs against the other's. Every run draws its own
-prompts (seed + run index), so no run measures a prefix cache the previous one filled.
+minutes apart at most, not of one engine's block of runs against the other's. Every run
+draws its own prompts (seed + run index), so no run measures a prefix cache the previous one
+filled.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,7 @@ from flagserve.cluster.sessions import session_members
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENT = "compare-vllm-served"
+STOP_WAIT_S = 5.0  # for a SIGSTOP to take effect
 
 
 def wait_healthy(root: str, alive, timeout_s: float) -> None:
@@ -91,6 +94,15 @@ def vllm_server(python: str, model: str, port: int, kv_gib: int) -> Iterator[Ser
             proc.wait()
 
 
+def wait_stopped(proc: psutil.Process, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with contextlib.suppress(psutil.Error):
+        while proc.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+
+
 @contextlib.contextmanager
 def paused(servers: list[Server]) -> Iterator[None]:
     """These servers' processes stopped (SIGSTOP) while another one is measured, continued
@@ -100,6 +112,8 @@ def paused(servers: list[Server]) -> Iterator[None]:
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.suspend()
+    for proc in procs:  # a signal takes effect when its process next runs: until then, not paused
+        wait_stopped(proc, STOP_WAIT_S)
     try:
         yield
     finally:

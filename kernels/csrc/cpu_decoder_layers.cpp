@@ -22,10 +22,9 @@ namespace {
 constexpr int64_t kPerLayer = 8;  // weights per layer, in order (see decoder_layers)
 constexpr int64_t kBiasesPerLayer = 4;
 
-// How the step's rows map onto the paged cache (AttentionMetadata): the first num_decodes
+// Where the step's rows attend in the paged cache (AttentionMetadata): the first num_decodes
 // rows are decodes, one per sequence; the prefill chunks follow.
 struct Step {
-  const at::Tensor& slot_mapping;
   const at::Tensor& block_tables;
   const at::Tensor& seq_lens;
   const at::Tensor& cu_seqlens_q;
@@ -40,7 +39,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int64_t T = q.size(0), nd = s.num_decodes, B = s.seq_lens.size(0);
   const auto decode = [&](const at::Tensor& rows) {
     return KERNEL("paged_decode_attention",
-                  cpu_ops::paged_decode_attention(rows, k_cache, v_cache, s.block_tables.narrow(0, 0, nd),
+                  cpu_ops::paged_decode_attention(rows, k_cache, v_cache,
+                                                  s.block_tables.narrow(0, 0, nd),
                                                   s.seq_lens.narrow(0, 0, nd), s.scale));
   };
   const auto prefill = [&](const at::Tensor& rows) {
@@ -73,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   TORCH_CHECK(weights.size() % kPerLayer == 0 &&
               biases.size() == weights.size() / kPerLayer * kBiasesPerLayer,
               "decoder_layers: 8 weights and 4 biases per layer");
-  const Step step{slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_decodes, scale};
+  const Step step{block_tables, seq_lens, cu_seqlens_q, num_decodes, scale};
   const int64_t T = hidden.size(0), H = hidden.size(1), layers = weights.size() / kPerLayer;
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor h = hidden;
