@@ -129,7 +129,8 @@ def bench(servers: dict[str, Server], model: str, args: argparse.Namespace
     from flagserve.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
-    targets = {engine: Target(s.root, served_model(s.root)) for engine, s in servers.items()}
+    targets = {engine: Target(server.root, served_model(server.root))
+               for engine, server in servers.items()}
     out: dict[str, dict[str, BenchmarkMetrics]] = {engine: {} for engine in servers}
     for i, (rate, name) in enumerate(zip(args.rates, run_names(args.rates), strict=True)):
         s = Settings(num_prompts=args.num_prompts, input_len=args.input_len,

@@ -39,7 +39,7 @@ def session_members(record: ProcessRecord) -> list[psutil.Process]:
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     leader = live_process(record)
-    if leader is None and members and record.session:
+    if leader is None and members:
         # The leader is gone and its pid might be reused by a new session leader: only
         # processes started after the recorded one can belong to it.
         members = [p for p in members if _safe_create_time(p) >= record.create_time - 1.0]
