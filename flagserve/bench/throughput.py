@@ -5,8 +5,8 @@ max_tokens each, ignore_eos, on a random-weight model of a chosen size. HF runs 
 would batch it: left-padded batches, max_new_tokens = the batch's largest request, and only the
 tokens each request asked for count as output. Prints output tokens/s of each, the ratio,
 the share of engine step time spent outside the model forward, and the roofline ratio: the
-run's bandwidth floor (weights read once per step, each decoded token reading its context's
-K/V) over its measured time.
+run's floor (the larger of its bandwidth and compute floors, throughput_roofline.py) over its
+measured time.
 
     python benchmarks/throughput.py                     # CPU defaults, about a minute
     python benchmarks/throughput.py --shape qwen3-0.6b --num-seqs 256 --input-len 100 1024 \
@@ -34,10 +34,13 @@ from flagserve.bench.throughput_latency import (
 )
 from flagserve.bench.throughput_phases import PhaseTimer, StepMix, phase_table
 from flagserve.bench.throughput_roofline import (
+    compute_floor_seconds,
     floor_seconds,
     kv_bytes,
     kv_bytes_per_token,
+    matmul_flops,
     measure_bandwidth_gbs,
+    measure_peak_tflops,
     weight_bytes,
 )
 from flagserve.bench.throughput_shapes import Shape, write_shape
@@ -233,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "benchmark, which never decodes)")
     parser.add_argument("--bandwidth-gbs", type=float,
                         help="memory bandwidth of the roofline (default: measured by a device copy)")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="matmul rate of the roofline in --dtype (default: measured by a "
+                             "square matmul on the device)")
     parser.add_argument("--hf-batch-size", type=int, default=0,
                         help="HF batch size (0: all requests at once)")
     parser.add_argument("--skip-hf", action="store_true")
@@ -280,15 +286,22 @@ def prepare_model(args: argparse.Namespace, tmp: str) -> tuple[str, dict]:
 
 
 def roofline(args: argparse.Namespace, cfg, work: Workload, steps: int, seconds: float) -> dict:
-    """The run's bandwidth floor (throughput_roofline.py) and the share of it achieved."""
+    """The run's floor (throughput_roofline.py: the larger of its bandwidth and compute
+    floors) and the share of it achieved."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     elem = DTYPE_BYTES[args.dtype]
     bandwidth = args.bandwidth_gbs or measure_bandwidth_gbs(device)
+    peak = args.peak_tflops or measure_peak_tflops(device, getattr(torch, args.dtype))
+    prompt_lens = [len(p) for p in work.prompts]
     weights = weight_bytes(cfg, elem)
-    kv = kv_bytes([len(p) for p in work.prompts], work.max_tokens, kv_bytes_per_token(cfg, elem))
-    floor = floor_seconds(steps, weights, kv, bandwidth)
+    kv = kv_bytes(prompt_lens, work.max_tokens, kv_bytes_per_token(cfg, elem))
+    flops = matmul_flops(cfg, prompt_lens, work.max_tokens)
+    memory = floor_seconds(steps, weights, kv, bandwidth)
+    compute = compute_floor_seconds(flops, peak)
     return {"bandwidth_gbs": bandwidth, "weight_bytes": weights, "kv_bytes": kv,
-            "floor_seconds": floor, "roofline_ratio": floor / seconds}
+            "bandwidth_floor_seconds": memory, "peak_tflops": peak, "flops": flops,
+            "compute_floor_seconds": compute, "floor_seconds": max(memory, compute),
+            "roofline_ratio": max(memory, compute) / seconds}
 
 
 def run_latency(model: str, args: argparse.Namespace, cfg, extra: dict) -> dict:
@@ -358,9 +371,11 @@ def report(args: argparse.Namespace, result: dict) -> None:
         print(f"profile of the first {a.profile_prefill} prefill steps of "
               f"{min(a.num_seqs, a.max_num_seqs)} prompts:\n{result['profile_prefill']}")
     print(format_start_up(result))
-    print(f"roofline           {result['roofline_ratio']:8.1%} of the bandwidth floor "
-          f"({result['floor_seconds']:.3g} s: {result['weight_bytes'] / 1e9:.3g} GB of weights per "
-          f"step + {result['kv_bytes'] / 1e9:.3g} GB of KV at {result['bandwidth_gbs']:.0f} GB/s)")
+    print(f"roofline           {result['roofline_ratio']:8.1%} of the floor, the larger of: "
+          f"bandwidth {result['bandwidth_floor_seconds']:.3g} s ({result['weight_bytes'] / 1e9:.3g} "
+          f"GB of weights per step + {result['kv_bytes'] / 1e9:.3g} GB of KV at "
+          f"{result['bandwidth_gbs']:.0f} GB/s), compute {result['compute_floor_seconds']:.3g} s "
+          f"({result['flops'] / 1e12:.3g} TFLOP of matmuls at {result['peak_tflops']:.3g} TFLOP/s)")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,9 +1,12 @@
-"""The bandwidth floor of a decode workload: the least time any engine could take on it.
+"""The floor of a workload: the least time any engine could take on it, on this device.
 
-Decoding is memory-bound: each step reads every weight once, and each decoded token reads the
-K and V of its whole context. Floor = (steps x weight bytes + KV bytes) / bandwidth; the
-achieved ratio is floor / measured time (1.0 = at the roofline). FLOPs are not counted, so for
-large prefills the floor is loose.
+Two bounds, each met by no engine and the larger one taken. Bandwidth: each step reads every
+weight once, and each decoded token reads the K and V of its whole context, so (steps x
+weight bytes + KV bytes) / bandwidth: what bounds decoding. Compute: every token fed through
+the model costs its matmuls' FLOPs (the layers' linears and attention over its context) and
+every output token the LM head's, so FLOPs / the device's matmul rate: what bounds prefill,
+and on a CPU decoding batches of more than a few dozen rows. The achieved ratio is floor /
+measured time (1.0 = at the roofline).
 """
 import time
 
@@ -39,6 +42,28 @@ def floor_seconds(steps: int, weights: int, kv: int, bandwidth_gbs: float) -> fl
     return (steps * weights + kv) / (bandwidth_gbs * 1e9)
 
 
+def matmul_flops(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[int]) -> int:
+    """FLOPs a workload's matmuls take at least: a request's prompt and every output token but
+    the last go through the layers (a token at position t attends to t + 1), each output
+    token through the LM head. Norms, activations and the embedding's row reads are not
+    counted: a floor."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    linears = h * d * (2 * heads + 2 * kv_heads) + 3 * h * i  # q, k, v, o; gate, up, down
+    fed = positions = 0
+    for p, o in zip(prompt_lens, output_lens):
+        n = p + max(o - 1, 0)
+        fed += n
+        positions += n * (n + 1) // 2  # keys attended, summed over the fed tokens
+    attention = 2 * heads * d  # q.k and p.v per key, per layer
+    layers = cfg.num_hidden_layers * (fed * linears + positions * attention)
+    return 2 * (layers + sum(output_lens) * cfg.vocab_size * h)
+
+
+def compute_floor_seconds(flops: int, peak_tflops: float) -> float:
+    return flops / (peak_tflops * 1e12)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -56,3 +81,21 @@ def measure_bandwidth_gbs(device: torch.device, nbytes: int | None = None, repea
         dst.copy_(src)
     sync(device)
     return 2 * nbytes * repeats / (time.perf_counter() - start) / 1e9
+
+
+def measure_peak_tflops(device: torch.device, dtype: torch.dtype, n: int | None = None,
+                        repeats: int = 5) -> float:
+    """The device's matmul rate in `dtype`: a square product of the vendor's BLAS (oneDNN or
+    MKL on a CPU, cuBLAS on a GPU), the best of `repeats`: near the chip's FMA peak."""
+    n = n or (8192 if device.type == "cuda" else 2048)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)  # first call: the library's set-up
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e12

@@ -9,7 +9,10 @@ worker process of its own interpreter (benchmarks/offline_worker.py), started on
 repetition draws fresh random prompts (a repeated prompt would measure the prefix cache) and
 sends them to one engine, then the other, the order alternating. vLLM is set up the way its
 CPU guide says: tcmalloc and Intel OpenMP preloaded when found, its threads bound to the
-cores (VLLM_CPU_OMP_THREADS_BIND), VLLM_CPU_KVCACHE_SPACE GiB of KV cache.
+cores (VLLM_CPU_OMP_THREADS_BIND), VLLM_CPU_KVCACHE_SPACE GiB of KV cache. Each repetition
+also prints its compute floor (its matmuls' FLOPs at this CPU's float32 matmul rate,
+throughput_roofline.py) and the share of it each engine reached: how far from this machine's
+limit both run, not only how they compare.
 """
 from __future__ import annotations
 
@@ -21,13 +24,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from flagserve.bench.throughput import make_workload, prompt_vocab
+from flagserve.bench.throughput_roofline import (
+    compute_floor_seconds,
+    matmul_flops,
+    measure_peak_tflops,
+)
 from flagserve.engine.cpu_runtime import (
     intel_openmp_library,
     preload_env,
     runtime_env,
     tcmalloc_library,
 )
+from flagserve.models.config import load_model_config
 
 WORKER = Path(__file__).resolve().parents[2] / "benchmarks" / "offline_worker.py"
 CACHE = Path.home() / ".cache" / "flagserve" / "hf-from-gguf"
@@ -91,17 +102,23 @@ class Worker:
         self.proc.wait(timeout=60)
 
 
-def alternate(workers: list[Worker], args: argparse.Namespace, vocab: int) -> dict[str, list[float]]:
+def alternate(workers: list[Worker], args: argparse.Namespace, model: str) -> dict[str, list[float]]:
     tps: dict[str, list[float]] = {w.name: [] for w in workers}
     for w in workers:  # warm-up, off the clock
         w.run([[5, 6, 7, 8]] * 4, [4] * 4)
+    cfg, vocab = load_model_config(model), prompt_vocab(model)
+    peak = measure_peak_tflops(torch.device("cpu"), torch.float32)  # both workers idle
+    print(f"this CPU's float32 matmul rate: {peak * 1e3:.0f} GFLOP/s", flush=True)
     for rep in range(args.reps):
         work = make_workload(args.num_seqs, tuple(args.input_len), tuple(args.output_len), vocab,
                              args.seed + rep)
         for w in workers if rep % 2 == 0 else workers[::-1]:
             tps[w.name].append(w.run(work.prompts, work.max_tokens))
-        print(f"rep {rep + 1}: " + "  ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in tps.items()),
-              flush=True)
+        prompt_lens = [len(p) for p in work.prompts]
+        floor = compute_floor_seconds(matmul_flops(cfg, prompt_lens, work.max_tokens), peak)
+        shares = "  ".join(f"{n} {floor / (work.output_tokens / v[-1]):.0%}" for n, v in tps.items())
+        print(f"rep {rep + 1}: " + "  ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in tps.items())
+              + f"  (compute floor {floor:.1f} s, reached: {shares})", flush=True)
     return tps
 
 
@@ -128,7 +145,7 @@ def main() -> None:
                Worker("vllm", args.vllm_python, model, vllm_env(args.vllm_python, args.kv_cache_gib))]
     print("load: " + ", ".join(f"{w.name} {w.load_seconds:.1f} s" for w in workers), flush=True)
     try:
-        tps = alternate(workers, args, prompt_vocab(model))
+        tps = alternate(workers, args, model)
     finally:
         for w in workers:
             w.close()

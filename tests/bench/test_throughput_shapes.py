@@ -7,11 +7,17 @@ import torch
 
 from flagserve.bench.throughput import format_start_up, main, parse_args
 from flagserve.bench.throughput_latency import profile_batch_decode, profile_batch_prefill
-from flagserve.bench.throughput_roofline import kv_bytes, kv_bytes_per_token, weight_bytes
+from flagserve.bench.throughput_roofline import (
+    kv_bytes,
+    kv_bytes_per_token,
+    matmul_flops,
+    measure_peak_tflops,
+    weight_bytes,
+)
 from flagserve.bench.throughput_shapes import PRESETS, write_shape
 from flagserve.models.config import load_model_config
 
-QUICK = ["--shape", "qwen3-0.6b", "--num-layers", "1", "--bandwidth-gbs", "10"]
+QUICK = ["--shape", "qwen3-0.6b", "--num-layers", "1", "--bandwidth-gbs", "10", "--peak-tflops", "1e-3"]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -63,9 +69,28 @@ def test_throughput_run_on_random_weights(tmp_path):
     # The warm-up ran reversed prompts: the timed run found none of its own in the cache
     # (random ids: no block of one prompt is another's by chance).
     assert result["prefix_cache_hit_tokens"] == 0
-    expected_floor = (result["steps"] * result["weight_bytes"] + result["kv_bytes"]) / 10e9
-    assert result["floor_seconds"] == pytest.approx(expected_floor)
-    assert result["roofline_ratio"] == pytest.approx(expected_floor / result["flagserve_seconds"])
+    memory = (result["steps"] * result["weight_bytes"] + result["kv_bytes"]) / 10e9
+    compute = result["flops"] / 1e9  # at --peak-tflops 1e-3
+    assert result["bandwidth_floor_seconds"] == pytest.approx(memory)
+    assert result["compute_floor_seconds"] == pytest.approx(compute)
+    assert result["floor_seconds"] == max(memory, compute) == compute  # so slow a "device"
+    assert result["roofline_ratio"] == pytest.approx(compute / result["flagserve_seconds"])
+
+
+def test_matmul_flops_counts_each_fed_token_and_each_output(tmp_path):
+    cfg = load_model_config(write_shape("qwen3-0.6b", tmp_path / "q", num_layers=1))
+    h, d, i, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    linears = 2 * (h * d * (2 * 16 + 2 * 8) + 3 * h * i)  # Qwen3-0.6B: 16 query, 8 KV heads
+    attention = 2 * 2 * 16 * d  # per key attended
+    # Prompt 3, 2 outputs: 4 tokens fed (the last output never is), attending 1 + 2 + 3 + 4
+    # keys; 2 tokens through the LM head.
+    assert matmul_flops(cfg, [3], [2]) == 4 * linears + 10 * attention + 2 * 2 * v * h
+    assert matmul_flops(cfg, [3, 1], [2, 1]) == matmul_flops(cfg, [3], [2]) + (
+        linears + attention + 2 * v * h)
+
+
+def test_peak_tflops_is_a_rate():
+    assert 0 < measure_peak_tflops(torch.device("cpu"), torch.float32, n=64, repeats=2) < 1e3
 
 
 @pytest.mark.parametrize("flags", [[], ["--async-scheduling"]])
