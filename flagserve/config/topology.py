@@ -73,9 +73,19 @@ def served_names(module_id: str, module: LLMModule) -> list[str]:
 
 
 def engine_args_for(module: LLMModule) -> EngineArgs:
-    """The EngineArgs the engine deployment is built with (placement fields set apart)."""
+    """The module's EngineArgs (placement fields set apart)."""
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     return EngineArgs(**{k: v for k, v in module.engine_args.items() if k in known})
+
+
+def served_engine_args(module: LLMModule, hosts: list[Host]) -> EngineArgs:
+    """The EngineArgs an engine deployment is built with: engine_args_for(module), and with
+    chunked prefill and no step budget set, a served engine's default (kv_budget.py)."""
+    args = engine_args_for(module)
+    if args.max_num_batched_tokens is None and args.enable_chunked_prefill:
+        budget = default_batched_tokens(uses_gpu(module, hosts), served=True)
+        args = dataclasses.replace(args, max_num_batched_tokens=budget)
+    return args
 
 
 def uses_gpu(module: LLMModule, hosts: list[Host]) -> bool:
@@ -125,7 +135,8 @@ def role_scaling(module: LLMModule, role: Role, hosts: list[Host]) -> RoleScalin
         return RoleScaling("running_requests",
                            rc.target_running_requests
                            or int(args.get("max_num_seqs", EngineArgs.max_num_seqs)))
-    batch = args.get("max_num_batched_tokens") or default_batched_tokens(uses_gpu(module, hosts))
+    batch = args.get("max_num_batched_tokens") or \
+        default_batched_tokens(uses_gpu(module, hosts), served=True)
     return RoleScaling("queued_prompt_tokens", rc.target_queued_tokens or 2 * int(batch))
 
 

@@ -26,8 +26,9 @@ import yaml
 
 from flagserve.bench import suite
 from flagserve.cluster.records import ExpPaths
+from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config, LLMModule
-from flagserve.config.topology import engine_args_for, served_names, uses_gpu
+from flagserve.config.topology import served_engine_args, served_names, uses_gpu
 from flagserve.runner.console import same_command
 from flagserve.runner.deployment import Deployment
 
@@ -113,7 +114,7 @@ def bench(deployment: Deployment) -> int:
                   "bench it with the config it was started with", file=sys.stderr)
             return 1
         print(f"benchmarking the running deployment at {deployment.endpoint} (it stays running)")
-    job = plan_job(config)
+    job = plan_job(config, deployment.hosts)
     if not running and (code := deployment.run()) != 0:
         return code
     try:
@@ -134,14 +135,14 @@ def bench(deployment: Deployment) -> int:
     return _save(deployment, job, runs, baselines, started=not running)
 
 
-def plan_job(config: Config) -> Job:
+def plan_job(config: Config, hosts: list[Host]) -> Job:
     """The workload (tokenized with the model's tokenizer) and the run's title."""
     b = config.experiment.bench
     module_id = b.module or next(iter(config.llms))
     module = config.llms[module_id]
     overrides, multirun = _hydra_overrides()
     settings = suite.Settings.from_config(b)
-    engine_args = engine_args_for(module).to_dict()
+    engine_args = served_engine_args(module, hosts).to_dict()
     from flagserve.models.tokenizer import load_tokenizer  # a directory or a .gguf file
     tokenizer = load_tokenizer(engine_args.get("tokenizer") or engine_args["model"])
     samples, offsets = suite.workload(settings, tokenizer)

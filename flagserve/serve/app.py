@@ -39,12 +39,12 @@ from flagserve.config.schema import Config, LLMModule, ResourcesConfig
 from flagserve.config.topology import (
     RoleScaling,
     direct_http,
-    engine_args_for,
     engine_core_mode,
     engine_groups,
     ingress_in_engine,
     role_module,
     role_scaling,
+    served_engine_args,
     served_names,
     uses_gpu,
 )
@@ -142,7 +142,7 @@ def disaggregated_engine(config: Config, hosts: list[Host], module_id: str, mode
     handles = []
     for role, cls in (("prefill", PrefillDeployment), ("decode", DecodeDeployment)):
         m = role_module(module, role)
-        args = {**engine_args_for(m).to_dict(), "kv_transfer": {**link, "role": role}}
+        args = {**served_engine_args(m, hosts).to_dict(), "kv_transfer": {**link, "role": role}}
         placed = engine_options(m, hosts, cpu_engines, role_scaling(module, role, hosts))
         if (host := getattr(module.disaggregation, role).host) is not None:
             # disaggregation.<role>.host: every node of the multi-host runner advertises its own
@@ -197,7 +197,7 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
             tokenizer = serve.deployment(TokenizerDeployment).options(
                 name=f"{mid}-tokenizer", **deployment_options(module.tokenizer, num_cpus=0), **stop
             ).bind(tokenizer_path)
-        engine_args = engine_args_for(module).to_dict()  # placement fields stay here
+        engine_args = served_engine_args(module, hosts).to_dict()  # placement fields stay here
         if mid == local:
             engine = LocalEngineSpec(mid, names[0], engine_args, engine_core_mode(module))
         elif module.disaggregation is not None:

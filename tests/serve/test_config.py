@@ -75,6 +75,29 @@ def test_ingress_and_http_server_modes():
     assert resolved("+serve.other.engine_args.model=x", "+serve.other.model_name=o") == (None, True)
 
 
+def test_served_engines_default_step_budget():
+    """A served engine's step budget: as set, else 2048 on CPU (an offline LLM's 4096 is the
+    engine's own default), 16384 on a GPU; without chunked prefill the engine's max_model_len."""
+    from omegaconf import OmegaConf
+
+    from flagserve.config import parse_config
+    from flagserve.config.hostfile import Host
+    from flagserve.config.topology import served_engine_args
+    from flagserve.engine.engine_args import EngineArgs
+
+    def budget(*overrides, gpus=0):
+        config, _ = parse_config(OmegaConf.to_container(
+            composed("serve.llm.engine_args.model=/m", *overrides), resolve=True))
+        host = Host("127.0.0.1", gpus or 2, "gpu" if gpus else "cpu")
+        return served_engine_args(config.serve["llm"], [host]).max_num_batched_tokens
+
+    assert EngineArgs.max_num_batched_tokens is None  # offline: kv_budget's 4096 on CPU
+    assert budget() == 2048
+    assert budget("serve.llm.engine_args.device=auto", gpus=1) == 16384
+    assert budget("serve.llm.engine_args.max_num_batched_tokens=512") == 512
+    assert budget("serve.llm.engine_args.enable_chunked_prefill=false") is None
+
+
 def test_plan_shows_the_router_of_several_engine_replicas(capsys):
     code, out, err = run(capsys, "serve.llm.resources.num_replicas=2",
                          "serve.llm.router.strategy=round_robin")

@@ -36,7 +36,7 @@ def test_plan_shows_what_each_autoscaled_role_scales_on(capsys):
                                    for key, value in (("min_replicas", 1), ("max_replicas", 3))))
     assert code == 0, err
     assert re.search(r"llm-prefill\s+1\.\.3 \(autoscaling\).*scaled on queued prompt tokens "
-                     r"\(target 8192 per replica\)", out), out
+                     r"\(target 4096 per replica\)", out), out
     assert re.search(r"llm-decode\s+1\.\.3 \(autoscaling\).*scaled on running requests", out), out
 
 
