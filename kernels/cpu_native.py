@@ -190,6 +190,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return torch.ops.flagserve_cpu.packed_linear(x, packed, out_features, bias)
 
 
+def packed_linear_silu(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """silu_and_mul(packed_linear(...)) for a gate-up weight [gate; up] of out_features rows
+    (2 x intermediate): the same bits, without writing the [M, out_features] product."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return torch.ops.flagserve_cpu.packed_linear_silu(x, packed, out_features, bias)
+
+
 def greedy_lm_head(x: torch.Tensor, weight: torch.Tensor, approx: torch.Tensor, norms: torch.Tensor,
                    max_norm: float) -> torch.Tensor:
     """[M] int64: the argmax of each row of x @ weight[:len(norms)].T in float32, found from

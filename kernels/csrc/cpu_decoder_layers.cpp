@@ -105,9 +105,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
                cpu_ops::packed_linear(attn.view({attn.size(0), q_size}), w[2], H, bias(1)));
     std::tie(x, residual) =
         KERNEL("fused_add_rms_norm", cpu_ops::fused_add_rms_norm(h, residual, w[3], eps));
-    at::Tensor gate_up =
-        KERNEL("packed_linear", cpu_ops::packed_linear(x, w[4], 2 * intermediate, bias(2)));
-    at::Tensor act = KERNEL("silu_and_mul", cpu_ops::silu_and_mul(gate_up));
+    at::Tensor act = KERNEL("packed_linear_silu",
+                            cpu_ops::packed_linear_silu(x, w[4], 2 * intermediate, bias(2)));
     h = KERNEL("packed_linear", cpu_ops::packed_linear(act, w[5], H, bias(3)));
   }
   return {h, residual};

@@ -12,6 +12,7 @@
 
 #include "cpu_ops.h"
 #include "cpu_pool.h"
+#include "cpu_silu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -83,11 +84,8 @@ void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
       T* o = out.data_ptr<T>() + r * half;
       int64_t i = 0;
       if constexpr (std::is_same_v<T, float>) {
-        const Vec one(1.f);
-        for (; i + Vec::size() <= half; i += Vec::size()) {
-          Vec gv = Vec::loadu(g + i);
-          (gv / (one + gv.neg().exp_u20()) * Vec::loadu(u + i)).store(o + i);
-        }
+        for (; i + Vec::size() <= half; i += Vec::size())
+          cpu_ops::silu_mul(Vec::loadu(g + i), Vec::loadu(u + i)).store(o + i);
       }
       // 16-bit: silu rounded to T before the product, as the reference's two ops.
       for (; i < half; ++i) o[i] = static_cast<T>(f(static_cast<T>(f(g[i]) / (1.f + std::exp(-f(g[i]))))) * f(u[i]));

@@ -13,6 +13,7 @@
 
 #include "cpu_ops.h"
 #include "cpu_pool.h"
+#include "cpu_silu.h"
 
 #include <algorithm>
 
@@ -102,6 +103,29 @@ void rows_of_tile(int64_t rows, const float* x, int64_t ldx, const float* w, int
   tile_rows<R, P>(x, ldx, w, K, init, out, ldo, cols, pf, npf);
 }
 
+// One tile's weights and bias (or null), and what its row blocks after the first prefetch:
+// the tile after it (`next`, null for none), a share of its cache lines each.
+struct Tile {
+  const float* w;
+  const float* init;
+  const char* next;
+  int64_t share, lines;
+
+  Tile(const float* w, const float* init, const float* next, int64_t blocks, int64_t lines)
+      : w(w), init(init), next(reinterpret_cast<const char*>(next)),
+        share(next != nullptr ? (lines + blocks - 2) / (blocks - 1) : 0), lines(lines) {}
+
+  // Row block b (rows rows of x from xb): out (ldo apart) = init + x . w.
+  void block(int64_t b, int64_t rows, const float* xb, int64_t ldx, int64_t K, float* out,
+             int64_t ldo, int64_t cols) const {
+    if (b == 0)
+      return rows_of_tile<Prefetch::kAhead>(rows, xb, ldx, w, K, init, out, ldo, cols, nullptr, 0);
+    const int64_t first = (b - 1) * share, npf = std::clamp<int64_t>(lines - first, 0, share);
+    rows_of_tile<Prefetch::kNextTile>(rows, xb, ldx, w, K, init, out, ldo, cols,
+                                      next + first * 64, npf);
+  }
+};
+
 // Rows of x per work item: all of them up to kChunkBytes of x (a decode step: the threads
 // split the tiles), else chunks of about kChunkBytes (a prefill: the threads split the rows
 // and the tiles).
@@ -123,61 +147,109 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 
 }  // namespace
 
+namespace {
+
+// The checks and shapes both linears share: x [M, K] float32 (rows contiguous) against a
+// pack_linear_weight of an [N, K] weight, and an optional [N] bias.
+struct Problem {
+  int64_t M, K, tiles, ldx, chunk, chunks, lines;
+  const float *x, *w, *bias;
+  at::Tensor b;  // the contiguous bias that `bias` points into
+
+  Problem(const at::Tensor& xt, const at::Tensor& packed, int64_t N,
+          const c10::optional<at::Tensor>& bias_opt) {
+    TORCH_CHECK(xt.dim() == 2 && xt.stride(1) == 1 && xt.scalar_type() == at::kFloat,
+                "x: [M, K] float32, rows contiguous");
+    TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kTile &&
+                packed.size(1) == xt.size(1) && packed.size(0) == (N + kTile - 1) / kTile,
+                "packed: pack_linear_weight of an [N, K] weight");
+    if (bias_opt.has_value() && bias_opt->defined()) {
+      TORCH_CHECK(bias_opt->dim() == 1 && bias_opt->size(0) == N &&
+                  bias_opt->scalar_type() == at::kFloat, "bias: [N] float32");
+      b = bias_opt->contiguous();
+    }
+    M = xt.size(0), K = xt.size(1), tiles = packed.size(0), ldx = xt.stride(0);
+    chunk = M == 0 ? 0 : chunk_rows(M, K);  // (chunk_rows would divide by zero)
+    chunks = M == 0 ? 0 : (M + chunk - 1) / chunk;
+    lines = K * kTile * int64_t(sizeof(float)) / 64;  // of one tile
+    x = xt.data_ptr<float>(), w = packed.data_ptr<float>();
+    bias = b.defined() ? b.data_ptr<float>() : nullptr;
+  }
+
+  const float* tile(int64_t t) const { return w + t * K * kTile; }
+  int64_t blocks(int64_t m0, int64_t m1) const { return (m1 - m0 + kRows - 1) / kRows; }
+  // A thread takes this many items at a time (see kGrainTiles); one block: no prefetch.
+  int64_t grain(int64_t tiles_per_item) const {
+    return std::min(M, chunk) > kRows ? std::max<int64_t>(kGrainTiles / tiles_per_item, 1) : 1;
+  }
+};
+
+}  // namespace
+
 at::Tensor cpu_ops::packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                                  const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
-              "x: [M, K] float32, rows contiguous");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kTile &&
-              packed.size(1) == x.size(1) && packed.size(0) == (N + kTile - 1) / kTile,
-              "packed: pack_linear_weight of an [N, K] weight");
-  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0);
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat,
-                "bias: [N] float32");
-    b = bias->contiguous();
-  }
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;  // chunk_rows would divide by zero
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const Problem p(x, packed, N, bias);
+  at::Tensor out = at::empty({p.M, N}, x.options());
   float* op = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
   // Work items are (row chunk, tile) pairs, chunk-major, so a thread's run of items is
   // consecutive tiles of one chunk (why chunks and runs: the constants above). Within a chunk
   // the rows go in blocks of kRows. (Chunks of k that every block ran before the next chunk,
   // to read each weight from L1, were slower: 0.7-0.9x.)
-  const int64_t chunk = chunk_rows(M, K), chunks = (M + chunk - 1) / chunk;
-  const int64_t lines = K * kTile * int64_t(sizeof(float)) / 64;  // of one tile
-  const int64_t grain = std::min(M, chunk) > kRows ? kGrainTiles : 1;  // one block: no prefetch
-  pool::parallel_for(0, chunks * tiles, grain, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, p.chunks * p.tiles, p.grain(1), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item % tiles, m0 = item / tiles * chunk, m1 = std::min(M, m0 + chunk);
-      const int64_t cols = std::min(kTile, N - t * kTile);
-      const float* init = bp == nullptr ? nullptr : bp + t * kTile;
+      const int64_t t = item % p.tiles, m0 = item / p.tiles * p.chunk;
+      const int64_t m1 = std::min(p.M, m0 + p.chunk), cols = std::min(kTile, N - t * kTile);
+      const float* init = p.bias == nullptr ? nullptr : p.bias + t * kTile;
       float padded[kTile];  // the last tile's bias, read as whole vectors
       if (init != nullptr && cols < kTile) {
         std::fill(std::copy(init, init + cols, padded), padded + kTile, 0.f);
         init = padded;
       }
-      // The next tile's lines, shared among this tile's row blocks after the first.
-      const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
-      const bool next = item + 1 < end && t + 1 < tiles && blocks > 1;
-      const int64_t share = next ? (lines + blocks - 2) / (blocks - 1) : 0;
-      const char* pf = next ? reinterpret_cast<const char*>(wp + (t + 1) * K * kTile) : nullptr;
-      const float* w = wp + t * K * kTile;
+      const int64_t blocks = p.blocks(m0, m1);
+      const bool next = item + 1 < end && t + 1 < p.tiles && blocks > 1;
+      const Tile tile(p.tile(t), init, next ? p.tile(t + 1) : nullptr, blocks, p.lines);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t m = m0 + b * kRows;
+        tile.block(b, std::min(kRows, m1 - m), p.x + m * p.ldx, p.ldx, p.K, op + m * N + t * kTile,
+                   N, cols);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor cpu_ops::packed_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                                      const c10::optional<at::Tensor>& bias) {
+  const int64_t I = N / 2;
+  TORCH_CHECK(N % 2 == 0, "N: the gate's and the up projection's widths, 2 x intermediate");
+  if (I % kTile != 0)  // gate and up tiles would straddle: the two passes, same numbers
+    return silu_and_mul(packed_linear(x, packed, N, bias));
+  const Problem p(x, packed, N, bias);
+  at::Tensor out = at::empty({p.M, I}, x.options());
+  float* op = out.data_ptr<float>();
+  const int64_t pairs = p.tiles / 2;  // gate tile t and up tile t + pairs: columns t and I + t
+  // As packed_linear, an item a pair of tiles; each row block runs its gate tile, then its up
+  // tile, into registers' worth of scratch, and leaves as silu(gate) * up: the [M, 2 I] output
+  // and silu_and_mul's pass over it are never written (docs/performance.md, CPU).
+  pool::parallel_for(0, p.chunks * pairs, p.grain(2), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item % pairs, u = t + pairs, m0 = item / pairs * p.chunk;
+      const int64_t m1 = std::min(p.M, m0 + p.chunk), blocks = p.blocks(m0, m1);
+      const bool next = item + 1 < end && t + 1 < pairs && blocks > 1;
+      const float* gate_bias = p.bias == nullptr ? nullptr : p.bias + t * kTile;
+      const float* up_bias = p.bias == nullptr ? nullptr : p.bias + u * kTile;
+      const Tile gate(p.tile(t), gate_bias, next ? p.tile(t + 1) : nullptr, blocks, p.lines);
+      const Tile up(p.tile(u), up_bias, next ? p.tile(u + 1) : nullptr, blocks, p.lines);
+      alignas(64) float g[kRows * kTile], v[kRows * kTile];
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t m = m0 + b * kRows, rows = std::min(kRows, m1 - m);
-        const float* xb = xp + m * ldx;
-        float* ob = op + m * N + t * kTile;
-        if (b == 0) {
-          rows_of_tile<Prefetch::kAhead>(rows, xb, ldx, w, K, init, ob, N, cols, nullptr, 0);
-        } else {
-          const int64_t first = (b - 1) * share, npf = std::clamp<int64_t>(lines - first, 0, share);
-          rows_of_tile<Prefetch::kNextTile>(rows, xb, ldx, w, K, init, ob, N, cols,
-                                            pf + first * 64, npf);
-        }
+        const float* xb = p.x + m * p.ldx;
+        gate.block(b, rows, xb, p.ldx, p.K, g, kTile, kTile);
+        up.block(b, rows, xb, p.ldx, p.K, v, kTile, kTile);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < kTile; j += Vec::size())
+            silu_mul(Vec::loadu(g + r * kTile + j), Vec::loadu(v + r * kTile + j))
+                .store(op + (m + r) * I + t * kTile + j);
       }
     }
   });
@@ -187,9 +259,11 @@ at::Tensor cpu_ops::packed_linear(const at::Tensor& x, const at::Tensor& packed,
 TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("packed_linear_silu(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flagserve_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &cpu_ops::packed_linear);
+  m.impl("packed_linear_silu", &cpu_ops::packed_linear_silu);
 }

@@ -11,6 +11,10 @@ namespace cpu_ops {
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias);
+// silu_and_mul(packed_linear(x, packed, n, bias)) for a gate-up weight [gate; up], n = 2 x
+// intermediate: the same bits, in one pass where the intermediate is whole tiles.
+at::Tensor packed_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                              const c10::optional<at::Tensor>& bias);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                       const at::Tensor& weight, double eps);

@@ -67,6 +67,25 @@ def test_long_inputs_in_row_chunks(threads):
     assert ((got.double() - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 12, 13, 100, 300])
+@pytest.mark.parametrize("intermediate", [64, 40])  # whole tiles; else the two passes
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gate_up_with_silu_is_the_two_passes_bit_for_bit(rows, intermediate, with_bias):
+    """packed_linear_silu == silu_and_mul(packed_linear(...)), every bit: the fused epilogue
+    runs the same FMA chains and the same SiLU formula (cpu_silu.h). 300 rows of K = 1,000 are
+    split into row chunks, with a partial row block."""
+    gen = torch.Generator().manual_seed(rows + intermediate)
+    x = torch.randn(rows, 1000, generator=gen)
+    weight = torch.randn(2 * intermediate, 1000, generator=gen) * 0.05
+    bias = torch.randn(2 * intermediate, generator=gen) if with_bias else None
+    packed = cpu_native.pack_linear_weight(weight)
+    got = cpu_native.packed_linear_silu(x, packed, 2 * intermediate, bias)
+    want = cpu_native.silu_and_mul_cpu(cpu_native.packed_linear(x, packed, 2 * intermediate, bias))
+    assert got.shape == (rows, intermediate) and torch.equal(got, want)
+    gate, up = F.linear(x.double(), weight.double(), None if bias is None else bias.double()).chunk(2, -1)
+    torch.testing.assert_close(got.double(), F.silu(gate) * up, rtol=1e-4, atol=1e-4)
+
+
 def test_no_rows_is_an_empty_output():
     """The last layer's tail of a chunk that samples nothing has no rows (once a SIGFPE)."""
     packed = cpu_native.pack_linear_weight(torch.randn(40, 16))
