@@ -145,10 +145,6 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({tiles, kTile, K}).transpose(1, 2).contiguous();
 }
 
-}  // namespace
-
-namespace {
-
 // The checks and shapes both linears share: x [M, K] float32 (rows contiguous) against a
 // pack_linear_weight of an [N, K] weight, and an optional [N] bias.
 struct Problem {
