@@ -47,6 +47,9 @@ class KernelOps:
     # Whole prompts over their own K/V rows (q, k, v, cu_seqlens_q, scale), no block table;
     # ops that have it rotate k in place when rotary_store_kvcache is given rotate_k=True
     prefill_attention: Callable | None = None
+    # silu_and_mul of a [gate; up] linear on a natively packed weight (x rows, packed data,
+    # out_features, bias), in one pass: only the native CPU ops have it
+    packed_silu_and_mul: Callable | None = None
 
 
 TORCH_OPS = KernelOps(

@@ -234,4 +234,5 @@ def native_ops(ops: KernelOps) -> KernelOps:
                                rotary_store_kvcache=rotary_store_kvcache_cpu,
                                apply_token_bitmask=apply_token_bitmask_cpu, argmax=argmax_cpu,
                                lse_and_ranks=lse_and_ranks_cpu,
+                               packed_silu_and_mul=packed_linear_silu,
                                orders_decodes=False)

@@ -72,3 +72,27 @@ def test_it_stands_aside_where_the_layers_differ(tiny_model_factory, monkeypatch
     monkeypatch.setenv(NATIVE_LAYERS_ENV, "yes")
     with pytest.raises(ValueError, match=NATIVE_LAYERS_ENV):
         native_layers.supported(torch.nn.ModuleList([torch.nn.Linear(1, 1)]), 1, False)
+
+
+@needs_native
+def test_python_layers_run_gate_up_and_silu_in_one_pass(tiny_model_factory, monkeypatch):
+    """Where the layers stay in Python (Qwen3's q/k norm here), the MLP's gate-up linear ends in
+    SiLU-and-mul too (ops.packed_silu_and_mul): the same outputs as the two passes."""
+    path = tiny_model_factory("qwen3")
+
+    def run(impl):
+        rows = []
+
+        def counted(x, packed, out_features, bias):
+            rows.append(x.shape[0])
+            return impl(x, packed, out_features, bias)
+
+        monkeypatch.setattr(cpu_native, "packed_linear_silu", counted)
+        return _run(path, monkeypatch, "on")[0], rows
+
+    def two_passes(x, packed, out_features, bias):
+        return cpu_native.silu_and_mul_cpu(cpu_native.packed_linear(x, packed, out_features, bias))
+
+    fused, rows = run(cpu_native.packed_linear_silu)
+    assert rows and max(rows) > 1  # prompt chunks and decodes went through it
+    assert fused == run(two_passes)[0]

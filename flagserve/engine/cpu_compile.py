@@ -48,7 +48,9 @@ def compile_mode(enforce_eager: bool, requested: str | None = None) -> CpuCompil
 
 def compiled_ops(ops: KernelOps) -> KernelOps:
     compiled = {name: torch.compile(getattr(ops, name), dynamic=True) for name in COMPILED_OPS}
-    return dataclasses.replace(ops, name=f"{ops.name}+inductor", **compiled)
+    # the compiled silu_and_mul runs, not the native linear's fused one
+    return dataclasses.replace(ops, name=f"{ops.name}+inductor", packed_silu_and_mul=None,
+                               **compiled)
 
 
 def use_ops(model: nn.Module, old: KernelOps, new: KernelOps) -> None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flagserve.layers.cpu_matmul import PackedWeight, pack_weight
+from kernels import KernelOps
 
 
 class LinearBase(nn.Module):
@@ -63,6 +64,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  tp_rank: int = 0, tp_size: int = 1):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def silu_and_mul(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """ops.silu_and_mul(self(x)) for [gate; up]; with ops that fuse it into a natively
+        packed weight's linear, one pass that never writes the [rows, 2 x intermediate]
+        product (the same bits)."""
+        fused, packed = ops.packed_silu_and_mul, self.packed
+        if fused is None or packed is None or packed.mode != "native":
+            return ops.silu_and_mul(self(x))
+        out = fused(x.reshape(-1, x.shape[-1]), packed.data, packed.out_features, self.bias)
+        return out.view(*x.shape[:-1], packed.out_features // 2)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         size = self.output_sizes[shard_id] // self.tp_size

@@ -68,7 +68,7 @@ class DecoderMLP(nn.Module):
                                            par.tp_rank, par.tp_size, par.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.ops))
 
 
 class DecoderLayer(nn.Module):
