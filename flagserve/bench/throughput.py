@@ -298,10 +298,11 @@ def roofline(args: argparse.Namespace, cfg, work: Workload, steps: int, seconds:
     flops = matmul_flops(cfg, prompt_lens, work.max_tokens)
     memory = floor_seconds(steps, weights, kv, bandwidth)
     compute = compute_floor_seconds(flops, peak)
+    floor = max(memory, compute)
     return {"bandwidth_gbs": bandwidth, "weight_bytes": weights, "kv_bytes": kv,
             "bandwidth_floor_seconds": memory, "peak_tflops": peak, "flops": flops,
-            "compute_floor_seconds": compute, "floor_seconds": max(memory, compute),
-            "roofline_ratio": max(memory, compute) / seconds}
+            "compute_floor_seconds": compute, "floor_seconds": floor,
+            "roofline_ratio": floor / seconds}
 
 
 def run_latency(model: str, args: argparse.Namespace, cfg, extra: dict) -> dict:

@@ -8,7 +8,7 @@ from flagserve.models.config import ModelConfig
 # size, and its linears' row chunks (cpu_linear.cpp) were tuned at 4096. A served CPU engine
 # takes 2048 (as vLLM's OpenAI server on CPU): a prompt's first token leaves at the end of the
 # step that finishes it, so in a burst of prompts half of them are out sooner with smaller
-# steps (median TTFT -9% at the same throughput, docs/performance.md, CPU).
+# steps, at the same throughput (measured: docs/performance.md, CPU).
 GPU_CHUNKED_BATCH_TOKENS, CPU_CHUNKED_BATCH_TOKENS = 16384, 4096
 SERVED_CPU_BATCH_TOKENS = 2048
 

@@ -76,9 +76,16 @@ class PackedWeight:
         if self.mode == "onednn":
             return torch.ops.mkldnn._linear_pointwise(  # noqa: SLF001 - torch's op (inductor's too)
                 x, self.data, bias, "none", [], "")
-        rows = x.reshape(-1, x.shape[-1])
-        out = cpu_native.packed_linear(rows, self.data, self.out_features, bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        return self._native(cpu_native.packed_linear, x, bias, self.out_features)
+
+    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None, kernel) -> torch.Tensor:
+        """silu_and_mul of self(x, bias) for a native [gate; up] weight, by `kernel`
+        (KernelOps.packed_silu_and_mul) in one pass."""
+        return self._native(kernel, x, bias, self.out_features // 2)
+
+    def _native(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, width: int) -> torch.Tensor:
+        out = kernel(x.reshape(-1, x.shape[-1]), self.data, self.out_features, bias)
+        return out.view(*x.shape[:-1], width)
 
 
 def pack_weight(weight: torch.Tensor, mode: Literal["native", "onednn"]) -> PackedWeight:

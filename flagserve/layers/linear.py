@@ -72,8 +72,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         fused, packed = ops.packed_silu_and_mul, self.packed
         if fused is None or packed is None or packed.mode != "native":
             return ops.silu_and_mul(self(x))
-        out = fused(x.reshape(-1, x.shape[-1]), packed.data, packed.out_features, self.bias)
-        return out.view(*x.shape[:-1], packed.out_features // 2)
+        return packed.silu_and_mul(x, self.bias, fused)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
