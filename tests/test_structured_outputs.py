@@ -250,10 +250,11 @@ def test_a_mask_that_never_matches_its_checksum_is_an_error(grammars, monkeypatc
     job = so.bitmask(seqs)
     job.result()  # filled, and its checksum matched
     assert so.process.check_mask
-    # The last job's checksum of these very rows (what a stale read of both would see) does
+    (number, _, _), = job.parts
+    # An older job's checksum of these very rows (what a stale read of both would see) does
     # not pass for this job: the checksum is seeded with the job's number.
-    stale = worker.mask_crc(so.process.mask, job.num_rows, job.job - 1)
-    worker.write_slot(so.process.slots, worker.MASK_CRC, stale)
+    stale = worker.mask_crc(so.process.mask, number - worker.AREAS, 1)
+    worker.write_slot(so.process.slots, worker.MASK_CRC[number % worker.AREAS], stale)
     monkeypatch.setattr(process, "UNREADABLE_S", 0.01)
     with pytest.raises(process.GrammarProcessError, match="mask of job .* stayed unreadable"):
         job.result()
@@ -360,7 +361,7 @@ def test_a_job_is_taken_only_once_all_its_bytes_are_there(monkeypatch):
 
     from flagserve.engine.structured_outputs import worker as w
 
-    mm = mmap.mmap(-1, w.HEADER + 4096)
+    mm = mmap.mmap(-1, w.HEADER + w.AREAS * w.JOB_BYTES)
     slots = w.header_slots(mm)
     reader = types.SimpleNamespace(seen=0, unreadable_since=None, mm=mm, slots=slots)
 
@@ -369,25 +370,28 @@ def test_a_job_is_taken_only_once_all_its_bytes_are_there(monkeypatch):
 
     def write(step: w.Step, number: int, crc_of: bytes | None = None) -> bytes:
         data = pickle.dumps(step)
-        mm[w.HEADER:w.HEADER + len(data)] = data
-        w.write_slot(slots, w.JOB_LEN, len(data))
-        w.write_slot(slots, w.JOB_CRC, zlib.crc32(data if crc_of is None else crc_of))
+        start, area = w.job_offset(number), number % w.AREAS
+        mm[start:start + len(data)] = data
+        w.write_slot(slots, w.JOB_LEN[area], len(data))
+        w.write_slot(slots, w.JOB_CRC[area], zlib.crc32(data if crc_of is None else crc_of))
         w.write_slot(slots, w.SUBMITTED, number)
         return data
 
-    first = w.Step(1, 2, [], ([], []), ([0], [7]))
+    first = w.Step(1, [], ([], []), [7])
     assert take() is None  # nothing submitted
     write(first, 1)
     assert take() == first and reader.seen == 1
     assert take() is None  # taken once
-    second = w.Step(2, 3, [("forget", 7)], ([], []), ([], []))
-    write(first, 2)  # number 2 visible, the bytes still job 1's
+    second = w.Step(2, [("forget", 7)], ([], []), [])
+    third = w.Step(3, [], ([], []), [])
+    write(third, 2)  # number 2 visible, its area holding another job's bytes
     assert take() is None and reader.seen == 1
     new = pickle.dumps(second)
     half = len(new) // 2  # half new, half what was there, with the new one's length and crc
-    mm[w.HEADER:w.HEADER + half] = new[:half]
-    w.write_slot(slots, w.JOB_LEN, len(new))
-    w.write_slot(slots, w.JOB_CRC, zlib.crc32(new))
+    start = w.job_offset(2)
+    mm[start:start + half] = new[:half]
+    w.write_slot(slots, w.JOB_LEN[0], len(new))
+    w.write_slot(slots, w.JOB_CRC[0], zlib.crc32(new))
     assert take() is None
     write(second, 2)  # all there now
     assert take() == second and reader.seen == 2

@@ -130,14 +130,12 @@ def role_scaling(module: LLMModule, role: Role, hosts: list[Host]) -> RoleScalin
     rc = getattr(module.disaggregation, role)
     if rc.min_replicas is None and rc.max_replicas is None:
         return None
-    args = {**module.engine_args, **rc.engine_args}
+    args = served_engine_args(role_module(module, role), hosts)
     if role == "decode":
-        return RoleScaling("running_requests",
-                           rc.target_running_requests
-                           or int(args.get("max_num_seqs", EngineArgs.max_num_seqs)))
-    batch = args.get("max_num_batched_tokens") or \
-        default_batched_tokens(uses_gpu(module, hosts), served=True)
-    return RoleScaling("queued_prompt_tokens", rc.target_queued_tokens or 2 * int(batch))
+        return RoleScaling("running_requests", rc.target_running_requests or args.max_num_seqs)
+    # Without chunked prefill a step's budget is no setting; the served default sizes the queue.
+    batch = args.max_num_batched_tokens or default_batched_tokens(uses_gpu(module, hosts), served=True)
+    return RoleScaling("queued_prompt_tokens", rc.target_queued_tokens or 2 * batch)
 
 
 @dataclass

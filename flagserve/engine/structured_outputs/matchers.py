@@ -6,8 +6,13 @@ A matcher's state is a function of the sequence's output tokens, never of the KV
 chunked prefill, prefix caching and preemption by recompute (which keeps the generated tokens)
 leave it valid; a sequence whose token count the matcher does not expect has it reset and
 replayed, so it always matches the tokens so far. Each of n > 1 samples has its own matcher.
-The usual new token is not sent at once: it goes with the next step's job, which accepts it
-and fills the mask while the engine runs the forward.
+
+A step's new tokens go to the grammar process as soon as they are known, in a job that
+accepts them and fills those sequences' next masks: it runs while the engine finishes the
+step (stop checks, outputs) and schedules, builds and runs the next one, where a job sent
+with the next step had only that step's forward beside it and, for a small model, kept the
+sampler waiting. The next step's own job fills only the rows that one did not (new, reset or
+resumed sequences).
 """
 from __future__ import annotations
 
@@ -41,18 +46,25 @@ class _Held:
 class _Matcher:  # the engine's view of a matcher in the grammar process
     num_seen: int = 0  # output tokens sent to it, or queued for the next job
     pending: int | None = None  # the token queued for the next job
+    # The job that filled its mask after num_seen tokens (None: none since) and the mask's
+    # row among that job's fills.
+    mask_job: int | None = None
+    mask_row: int = 0
 
 
 @dataclass
 class MaskJob:
-    """A step's token bitmask, being filled by the grammar process."""
+    """A step's token bitmask, being filled by the grammar process: all ones, and per job
+    the rows it filled (`take`, among its fills) for the step's rows `put`."""
     process: GrammarProcess
-    job: int
     num_rows: int
+    parts: list[tuple[int, list[int], list[int]]]  # (job, take, put)
 
     def result(self) -> torch.Tensor:
-        self.process.wait(self.job, self.num_rows)
-        return self.process.mask[:self.num_rows]
+        out = torch.full((self.num_rows, self.process.mask.shape[1]), -1, dtype=torch.int32)
+        for job, take, put in self.parts:
+            out[put] = self.process.masks(job)[take]
+        return out
 
 
 @dataclass
@@ -149,41 +161,66 @@ class StructuredOutputs:
                 continue
             token = seq.token_ids[-1]
             if m.pending is None and m.num_seen == seq.num_output_tokens - 1:
-                m.pending, m.num_seen = token, m.num_seen + 1
+                m.pending, m.num_seen, m.mask_job = token, m.num_seen + 1, None
             else:
                 self._reset(seq, m)
             results[i] = "terminated" if token in self.stop_token_ids else "ok"
+        self._submit([s for s, r in zip(seqs, results) if r == "ok"])
         return results
 
     def _reset(self, seq: Sequence, m: _Matcher) -> None:
         """Preempted and recomputed, or seen more than it holds: replayed from the start."""
         self._ops.append(("reset", seq.seq_id, list(seq.output_token_ids)))
-        m.num_seen, m.pending = seq.num_output_tokens, None
+        m.num_seen, m.pending, m.mask_job = seq.num_output_tokens, None, None
+
+    def _submit(self, seqs: list[Sequence]) -> int:
+        """A job that accepts the sequences' pending tokens and fills their next masks (after
+        the matcher changes so far); its number, or 0 for no sequences."""
+        if not seqs:
+            return 0
+        accept_ids, accept_tokens = [], []
+        for seq in seqs:
+            m = self.matchers[seq.seq_id]
+            if m.pending is not None:
+                accept_ids.append(seq.seq_id)
+                accept_tokens.append(m.pending)
+                m.pending = None
+        ops, self._ops = self._ops, []
+        fill = [seq.seq_id for seq in seqs]
+        job = self.process.submit(Step(0, ops, (accept_ids, accept_tokens), fill))
+        for row, seq_id in enumerate(fill):
+            m = self.matchers[seq_id]
+            m.mask_job, m.mask_row = job, row
+        return job
 
     def bitmask(self, seqs: list[Sequence]) -> MaskJob | None:
         """[len(seqs), ceil(vocab / 32)] int32 allowed-token bits for the rows that sample,
         all ones for unconstrained rows; None when no row is constrained. Filled by the
-        grammar process while the forward runs: result() waits for it."""
-        fill_rows = [i for i, s in enumerate(seqs) if s.seq_id in self.matchers]
-        if not fill_rows:
+        grammar process (since the last step's tokens, or while the forward runs): result()
+        waits for it. Only the masks of the last job are taken as they are: the job sent now
+        fills the areas of the one before it."""
+        rows = [i for i, s in enumerate(seqs) if s.seq_id in self.matchers]
+        if not rows:
             return None
         if len(seqs) > self.max_rows:
             raise ValueError(f"{len(seqs)} sampled rows, more than the mask's {self.max_rows}")
-        fill_ids, accept_ids, accept_tokens = [], [], []
-        for i in fill_rows:
+        last = self.process.last_job
+        take, put, fill, fill_rows = [], [], [], []
+        for i in rows:
             seq = seqs[i]
             m = self.matchers[seq.seq_id]
             if m.num_seen != seq.num_output_tokens:
                 self._reset(seq, m)
-            elif m.pending is not None:
-                accept_ids.append(seq.seq_id)
-                accept_tokens.append(m.pending)
-                m.pending = None
-            fill_ids.append(seq.seq_id)
-        ops, self._ops = self._ops, []
-        job = self.process.submit(Step(0, len(seqs), ops, (accept_ids, accept_tokens),
-                                        (fill_rows, fill_ids)))
-        return MaskJob(self.process, job, len(seqs))
+            elif m.pending is None and m.mask_job == last:
+                take.append(m.mask_row)
+                put.append(i)
+                continue
+            fill.append(seq)
+            fill_rows.append(i)
+        parts = [(last, take, put)] if take else []
+        if fill:
+            parts.append((self._submit(fill), list(range(len(fill))), fill_rows))
+        return MaskJob(self.process, len(seqs), parts)
 
     def forget(self, seq: Sequence) -> None:
         if self.matchers.pop(seq.seq_id, None) is not None:

@@ -21,9 +21,9 @@ from typing import Any
 
 from flagserve.engine.child_process import child_env
 from flagserve.engine.structured_outputs.worker import (
+    AREAS,
     ASLEEP,
     DONE,
-    HEADER,
     JOB_BYTES,
     JOB_CRC,
     JOB_LEN,
@@ -38,6 +38,8 @@ from flagserve.engine.structured_outputs.worker import (
     Step,
     Wake,
     header_slots,
+    job_offset,
+    job_rows,
     mask_crc,
     read_slot,
     shared_mask,
@@ -86,8 +88,8 @@ class GrammarProcess:
         self.slots = header_slots(self._mm)
         self.mask = shared_mask(self._mm, start.max_rows, start.vocab_size)
         self.check_mask = start.check_mask
-        self.max_rows = start.max_rows
         self._jobs = 0
+        self._fills = [0] * AREAS  # rows the last job of each area fills
         self._received = 0  # messages read from the pipe, against the SENT slot
         self._inbox: list[Any] = []  # read while waiting for a job, for the next receive()
         self.error: str | None = None  # why the process is gone
@@ -100,36 +102,49 @@ class GrammarProcess:
             except OSError:
                 self._gone()
 
-    def submit(self, step: Step) -> int:
-        """Send a step's job; its number, for wait()."""
-        if self._jobs:
-            self.wait(self._jobs)  # one job area: the last job is done (as a rule, long since)
-        self._jobs += 1
-        data = pickle.dumps(step._replace(job=self._jobs), protocol=pickle.HIGHEST_PROTOCOL)
-        if len(data) > JOB_BYTES:
-            self.send(step._replace(job=self._jobs))
-            return self._jobs
-        self._mm[HEADER:HEADER + len(data)] = data
-        write_slot(self.slots, JOB_LEN, len(data))
-        write_slot(self.slots, JOB_CRC, zlib.crc32(data))
-        write_slot(self.slots, SUBMITTED, self._jobs)  # last: the job is complete once this is seen
-        if read_slot(self.slots, ASLEEP):
-            self.send(Wake())
+    @property
+    def last_job(self) -> int:
         return self._jobs
 
-    def wait(self, job: int, rows: int = 0) -> None:
-        """Until the job's mask is written: usually it is, since it ran beside the forward.
-        Late, the engine blocks on the pipe for the process's Done rather than spin: on a
-        busy machine a spinning engine takes the core the grammar process needs. With the
-        mask checked (Start.check_mask), also until its first `rows` rows match their crc."""
+    def submit(self, step: Step) -> int:
+        """Send a step's job; its number, for masks(). The caller has read the masks of the
+        job before last, whose areas this one takes."""
+        job = self._jobs = self._jobs + 1
+        if job > AREAS:
+            self.wait(job - AREAS)  # its job bytes were read (as a rule, long since)
+        area = job % AREAS
+        self._fills[area] = len(step.fill)
+        data = pickle.dumps(step._replace(job=job), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > JOB_BYTES:
+            self.send(step._replace(job=job))
+            return job
+        start = job_offset(job)
+        self._mm[start:start + len(data)] = data
+        write_slot(self.slots, JOB_LEN[area], len(data))
+        write_slot(self.slots, JOB_CRC[area], zlib.crc32(data))
+        write_slot(self.slots, SUBMITTED, job)  # last: the job is complete once this is seen
+        if read_slot(self.slots, ASLEEP):
+            self.send(Wake())
+        return job
+
+    def masks(self, job: int) -> Any:
+        """The mask rows a job filled (in its Step.fill order), once written."""
+        self.wait(job)
+        return job_rows(self.mask, job, self._fills[job % AREAS])
+
+    def wait(self, job: int) -> None:
+        """Until the job is done: usually it is, since it ran beside the step. Late, the
+        engine blocks on the pipe for the process's Done rather than spin: on a busy machine
+        a spinning engine takes the core the grammar process needs. With the mask checked
+        (Start.check_mask), also until its rows match their crc."""
         self._wait_done(job)
-        if self.check_mask and rows:
-            self._wait_mask(job, rows)
+        if self.check_mask and self._fills[job % AREAS]:
+            self._wait_mask(job, self._fills[job % AREAS])
 
     def _wait_mask(self, job: int, rows: int) -> None:
         """DONE was seen; on a weakly ordered CPU the rows may not all be visible yet."""
         deadline = time.perf_counter() + UNREADABLE_S
-        while mask_crc(self.mask, rows, job) != read_slot(self.slots, MASK_CRC):
+        while mask_crc(self.mask, job, rows) != read_slot(self.slots, MASK_CRC[job % AREAS]):
             if time.perf_counter() > deadline:
                 self.error = f"the mask of job {job} stayed unreadable (its checksum differs)"
                 raise GrammarProcessError(self.error)

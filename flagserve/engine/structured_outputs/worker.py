@@ -9,6 +9,11 @@ into shared memory and reads the mask there once the counter in the header says 
 is done; while jobs come, this process looks for them between short sleeps, so the engine
 never pays for waking it (each syscall on the pipe cost the engine 20-40 us).
 
+Jobs alternate between two areas, each a job's bytes and the mask rows it fills, so that the
+engine can send a job while the one before is being filled: the job that accepts a step's new
+tokens and fills the next step's masks leaves as soon as the tokens are known (matchers.py),
+and the next step's own job, for rows it did not cover, need not wait for it.
+
     python -m flagserve.engine.structured_outputs.worker PIPE_FD SHM_FD
 """
 from __future__ import annotations
@@ -26,12 +31,15 @@ import zlib
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
-# The shared memory: a header of int64 slots, the job area, then the mask.
-# Header slots. The engine writes SUBMITTED, JOB_LEN, JOB_CRC (of the job's bytes) and WAITING
-# (the job it blocks on); this process DONE (the last job finished), SENT (messages sent),
-# ASLEEP and MASK_CRC (of the last job's mask, where Start.check_mask).
-DONE, SUBMITTED, JOB_LEN, SENT, ASLEEP, WAITING, JOB_CRC, MASK_CRC = range(8)
-HEADER = 64
+# The shared memory: a header of int64 slots, the AREAS job areas, then AREAS x max_rows mask
+# rows; job j uses job area j % AREAS and mask rows from (j % AREAS) * max_rows.
+# Header slots. The engine writes SUBMITTED, WAITING (the job it blocks on) and per job area
+# JOB_LEN and JOB_CRC (of the job's bytes); this process DONE (the last job finished), SENT
+# (messages sent), ASLEEP and per mask area MASK_CRC (of its rows, where Start.check_mask).
+AREAS = 2
+DONE, SUBMITTED, SENT, ASLEEP, WAITING = range(5)
+JOB_LEN, JOB_CRC, MASK_CRC = (5, 6), (7, 8), (9, 10)  # indexed by area
+HEADER = 128
 JOB_BYTES = 1 << 20  # a pickled Step; a larger one (long replays) goes over the pipe
 # While jobs come, the pipe and the job area are looked at POLLS_PER_STEP times per interval
 # between jobs: often enough that a job starts early in the forward it runs beside, rarely
@@ -64,12 +72,11 @@ class Compile(NamedTuple):
 
 class Step(NamedTuple):
     job: int  # the header's counter reads this once the mask is written
-    num_rows: int  # rows of the mask: all ones, then the fills
     # In order: ("new", seq_id, hold_id), ("unhold", hold_id) (its matchers are made, or the
     # request went away), ("forget", seq_id), ("reset", seq_id, output tokens)
     ops: list[tuple]
     accept: tuple[list[int], list[int]]  # seq ids and one token each
-    fill: tuple[list[int], list[int]]  # mask rows and the seq id of each
+    fill: list[int]  # seq ids, one mask row each: the job's rows (job_rows) in this order
 
 
 class Wake(NamedTuple):  # a job is in the shared memory (sent when the process sleeps)
@@ -96,22 +103,33 @@ class Failed(NamedTuple):
 
 
 def shm_size(max_rows: int, vocab_size: int) -> int:
-    return HEADER + JOB_BYTES + max_rows * ((vocab_size + 31) // 32) * 4
+    return HEADER + AREAS * (JOB_BYTES + max_rows * ((vocab_size + 31) // 32) * 4)
+
+
+def job_offset(job: int) -> int:
+    """Where job `job`'s bytes go in the shared memory."""
+    return HEADER + job % AREAS * JOB_BYTES
 
 
 def shared_mask(mm: mmap.mmap, max_rows: int, vocab_size: int) -> Any:
-    """The [max_rows, ceil(vocab / 32)] int32 mask in the shared memory."""
+    """The [AREAS * max_rows, ceil(vocab / 32)] int32 mask rows in the shared memory."""
     import torch
     words = (vocab_size + 31) // 32
-    return torch.frombuffer(mm, dtype=torch.int32, offset=HEADER + JOB_BYTES,
-                            count=max_rows * words).view(max_rows, words)
+    return torch.frombuffer(mm, dtype=torch.int32, offset=HEADER + AREAS * JOB_BYTES,
+                            count=AREAS * max_rows * words).view(AREAS * max_rows, words)
 
 
-def mask_crc(mask: Any, rows: int, job: int) -> int:
-    """The checksum of the first `rows` rows of the shared mask (read in place), seeded with
-    the job's number: a stale checksum read beside stale rows (both the last job's) must not
-    pass for this job's."""
-    return zlib.crc32(mask[:rows].numpy(), job & 0xFFFFFFFF)
+def job_rows(mask: Any, job: int, count: int) -> Any:
+    """The `count` mask rows that job `job` fills, in its Step.fill order."""
+    first = job % AREAS * (mask.shape[0] // AREAS)
+    return mask[first:first + count]
+
+
+def mask_crc(mask: Any, job: int, count: int) -> int:
+    """The checksum of job `job`'s `count` mask rows (read in place), seeded with the job's
+    number: a stale checksum read beside stale rows (both an older job's) must not pass for
+    this job's."""
+    return zlib.crc32(job_rows(mask, job, count).numpy(), job & 0xFFFFFFFF)
 
 
 def weakly_ordered() -> bool:
@@ -186,20 +204,20 @@ class Worker:
                            self.compiler.requests, self.compiler.cache_hits))
 
     def step(self, job: Step) -> None:
+        self.seen, self.unreadable_since = job.job, None  # (a job over the pipe skips take_job)
         rejected = [seq_id for op in job.ops if (seq_id := self._apply(op)) is not None]
         ids, tokens = job.accept
         if ids:
             ok = self.batch.batch_accept_token([self.matchers[i] for i in ids], tokens)
             rejected += [i for i, accepted in zip(ids, ok) if not accepted]
-        mask = self.mask[:job.num_rows]
-        mask.fill_(-1)  # all ones: unconstrained rows allow everything
-        rows, ids = job.fill
-        if rows:
-            self.batch.batch_fill_next_token_bitmask([self.matchers[i] for i in ids], mask, rows)
+        if job.fill:
+            first = job.job % AREAS * (self.mask.shape[0] // AREAS)
+            self.batch.batch_fill_next_token_bitmask([self.matchers[i] for i in job.fill], self.mask,
+                                                     list(range(first, first + len(job.fill))))
         if rejected:
             self.send(Rejected(rejected))  # before the counter: the engine reads it after
         if self.check_mask:
-            write_slot(self.slots, MASK_CRC, mask_crc(self.mask, job.num_rows, job.job))
+            write_slot(self.slots, MASK_CRC[job.job % AREAS], mask_crc(self.mask, job.job, len(job.fill)))
         write_slot(self.slots, DONE, job.job)
         if read_slot(self.slots, WAITING) == job.job:
             self.send(Done(job.job))
@@ -214,12 +232,13 @@ class Worker:
         requests). The checksum catches bytes half old and half new, which would unpickle.
         (The way back, the mask's rows and then DONE, is checked where stores can be
         reordered: weakly_ordered().)"""
-        job = read_slot(self.slots, SUBMITTED)
-        if job == self.seen:
+        job = self.seen + 1
+        if read_slot(self.slots, SUBMITTED) < job:
             return None
-        data = self.mm[HEADER:HEADER + read_slot(self.slots, JOB_LEN)]
+        start, area = job_offset(job), job % AREAS
+        data = self.mm[start:start + read_slot(self.slots, JOB_LEN[area])]
         problem = "its checksum does not match"
-        if zlib.crc32(data) == read_slot(self.slots, JOB_CRC):
+        if zlib.crc32(data) == read_slot(self.slots, JOB_CRC[area]):
             try:
                 step = pickle.loads(data)
                 if step.job == job:
@@ -275,7 +294,7 @@ def serve(conn: Connection, worker: Worker) -> None:
             # idle engine: the engine sends a Wake with its next job. Looked again after
             # saying so, so that a job written meanwhile is not left waiting.
             write_slot(worker.slots, ASLEEP, 1)
-            if read_slot(worker.slots, SUBMITTED) == worker.seen:
+            if read_slot(worker.slots, SUBMITTED) <= worker.seen:
                 pipe_ready = wait_for_pipe(conn, None)
             write_slot(worker.slots, ASLEEP, 0)
             continue
