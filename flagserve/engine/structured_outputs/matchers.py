@@ -61,6 +61,12 @@ class MaskJob:
     parts: list[tuple[int, list[int], list[int]]]  # (job, take, put)
 
     def result(self) -> torch.Tensor:
+        if len(self.parts) == 1 and len(self.parts[0][2]) == self.num_rows:
+            # Every row from one job (the usual decode step): its rows as they are, or
+            # gathered; put is then every row in order.
+            job, take, _ = self.parts[0]
+            rows = self.process.masks(job)
+            return rows if take == list(range(len(rows))) else rows[torch.tensor(take)]
         out = torch.full((self.num_rows, self.process.mask.shape[1]), -1, dtype=torch.int32)
         for job, take, put in self.parts:
             out[put] = self.process.masks(job)[take]
