@@ -8,7 +8,7 @@ import torch
 
 from flagserve import LLM, SamplingParams
 from flagserve.layers.embedding import ParallelLMHead
-from flagserve.layers.greedy_head import GREEDY_HEAD_ENV, greedy_head_for, hardware_bf16
+from flagserve.layers.greedy_head import GREEDY_HEAD_ENV, amx_bf16, greedy_head_for
 from kernels import cpu_native
 
 needs_native = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.available(),
@@ -40,7 +40,7 @@ def test_built_for_a_native_float32_head_on_one_rank(monkeypatch):
     monkeypatch.setenv(GREEDY_HEAD_ENV, "off")
     assert greedy_head_for(weight, 100, "native", 1) is None
     monkeypatch.setenv(GREEDY_HEAD_ENV, "auto")
-    assert (greedy_head_for(weight, 100, "native", 1) is not None) == hardware_bf16()
+    assert (greedy_head_for(weight, 100, "native", 1) is not None) == amx_bf16()
     monkeypatch.setenv(GREEDY_HEAD_ENV, "yes")
     with pytest.raises(ValueError, match=GREEDY_HEAD_ENV):
         greedy_head_for(weight, 100, "native", 1)

@@ -5,8 +5,9 @@ oneDNN's bfloat16 matmul bounds every logit, and only the tokens that could be t
 are recomputed in float32 (kernels/csrc/cpu_greedy_head.cpp has the bound and why the token
 is the float32 argmax's, not an approximation). For an LM head packed for the native
 float32 kernel, on one tensor-parallel rank. FLAGSERVE_CPU_GREEDY_HEAD:
-- auto (default): where the CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX), where it
-  was measured (docs/performance.md); emulated bfloat16 is not;
+- auto (default): where the CPU has AMX, where it was measured faster (docs/performance.md);
+  with AVX512-BF16 alone oneDNN's bf16 matmul was slower than the float32 kernel from 32 rows
+  on, and emulated bfloat16 is slower still;
 - on: wherever the native kernels run (tests), bfloat16 by oneDNN or else by F.linear;
 - off: every step computes its float32 logits.
 """
@@ -31,10 +32,9 @@ def greedy_head_mode() -> GreedyHeadMode:
     return env_choice(GREEDY_HEAD_ENV, GreedyHeadMode, "auto")
 
 
-def hardware_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware, and oneDNN uses it."""
-    flags = set(cpu_native.cpu_flags().split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"}) and bf16_supported()
+def amx_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 tiles (AMX), and oneDNN uses it."""
+    return "amx_bf16" in cpu_native.cpu_flags().split() and bf16_supported()
 
 
 def bf16_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -71,6 +71,6 @@ def greedy_head_for(weight: torch.Tensor, vocab_size: int, matmul: str, tp_size:
     if matmul != "native" or tp_size != 1 or weight.dtype != torch.float32:
         return None
     mode = greedy_head_mode()
-    if mode == "off" or (mode == "auto" and not hardware_bf16()):
+    if mode == "off" or (mode == "auto" and not amx_bf16()):
         return None
     return GreedyHead.build(weight, vocab_size)
