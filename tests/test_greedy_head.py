@@ -3,12 +3,14 @@
 the head's tokens are its logits' argmax, a NaN row included; where it is built; and an engine
 gives the same tokens with it as without, for greedy batches and batches that mix in sampled
 rows and logprobs."""
+import dataclasses
+
 import pytest
 import torch
 
 from flagserve import LLM, SamplingParams
 from flagserve.layers.embedding import ParallelLMHead
-from flagserve.layers.greedy_head import GREEDY_HEAD_ENV, amx_bf16, greedy_head_for
+from flagserve.layers.greedy_head import GREEDY_HEAD_ENV, bf16_hardware, greedy_head_for
 from kernels import cpu_native
 
 needs_native = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.available(),
@@ -27,6 +29,11 @@ def test_head_tokens_are_its_logits_argmax(monkeypatch):
     hidden[4, 2] = float("nan")  # its logits are NaN: torch.argmax's answer, from the logits
     with torch.inference_mode():
         assert torch.equal(head.greedy(hidden), head(hidden).argmax(-1))
+        # A head built for small steps (AVX512-BF16 alone) leaves larger ones to the logits.
+        head.greedy_head = dataclasses.replace(head.greedy_head, max_rows=9)
+        assert torch.equal(head.greedy(hidden), head(hidden).argmax(-1))
+        head.greedy_head = dataclasses.replace(head.greedy_head, max_rows=8)
+        assert head.greedy(hidden) is None
 
 
 @needs_native
@@ -40,7 +47,10 @@ def test_built_for_a_native_float32_head_on_one_rank(monkeypatch):
     monkeypatch.setenv(GREEDY_HEAD_ENV, "off")
     assert greedy_head_for(weight, 100, "native", 1) is None
     monkeypatch.setenv(GREEDY_HEAD_ENV, "auto")
-    assert (greedy_head_for(weight, 100, "native", 1) is not None) == amx_bf16()
+    head = greedy_head_for(weight, 100, "native", 1)
+    assert (head is not None) == (bf16_hardware() is not None)
+    if head is not None:  # every step with AMX, small ones with AVX512-BF16 alone
+        assert head.takes(1) and head.takes(1000) == (bf16_hardware() == "amx")
     monkeypatch.setenv(GREEDY_HEAD_ENV, "yes")
     with pytest.raises(ValueError, match=GREEDY_HEAD_ENV):
         greedy_head_for(weight, 100, "native", 1)

@@ -48,7 +48,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N] int64: the argmax of each row of forward(hidden), or None where this head has
         no cheaper way to it than the logits."""
-        if self.greedy_head is None:
+        if self.greedy_head is None or not self.greedy_head.takes(hidden.shape[0]):
             return None
         tokens = self.greedy_head(hidden)
         if bool((lost := tokens < 0).any()):  # a logit not finite: torch.argmax's answer

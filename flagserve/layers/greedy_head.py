@@ -5,9 +5,10 @@ oneDNN's bfloat16 matmul bounds every logit, and only the tokens that could be t
 are recomputed in float32 (kernels/csrc/cpu_greedy_head.cpp has the bound and why the token
 is the float32 argmax's, not an approximation). For an LM head packed for the native
 float32 kernel, on one tensor-parallel rank. FLAGSERVE_CPU_GREEDY_HEAD:
-- auto (default): where the CPU has AMX, where it was measured faster (docs/performance.md);
-  with AVX512-BF16 alone oneDNN's bf16 matmul was slower than the float32 kernel from 32 rows
-  on, and emulated bfloat16 is slower still;
+- auto (default): where the CPU multiplies bfloat16 in hardware, where it was measured
+  (docs/performance.md): with AMX for every step; with AVX512-BF16 alone for steps of up to
+  AVX512_BF16_MAX_ROWS sampled rows (from 24 rows on oneDNN's bf16 matmul there was slower
+  than the float32 kernel); emulated bfloat16 is slower still;
 - on: wherever the native kernels run (tests), bfloat16 by oneDNN or else by F.linear;
 - off: every step computes its float32 logits.
 """
@@ -26,15 +27,20 @@ from kernels.env import env_choice
 
 GreedyHeadMode = Literal["auto", "on", "off"]
 GREEDY_HEAD_ENV = "FLAGSERVE_CPU_GREEDY_HEAD"
+AVX512_BF16_MAX_ROWS = 16
 
 
 def greedy_head_mode() -> GreedyHeadMode:
     return env_choice(GREEDY_HEAD_ENV, GreedyHeadMode, "auto")
 
 
-def amx_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 tiles (AMX), and oneDNN uses it."""
-    return "amx_bf16" in cpu_native.cpu_flags().split() and bf16_supported()
+def bf16_hardware() -> Literal["amx", "avx512_bf16"] | None:
+    """How this CPU multiplies bfloat16 where oneDNN uses it: in tiles (AMX), in vectors
+    (AVX512-BF16), or not in hardware (None)."""
+    flags = set(cpu_native.cpu_flags().split())
+    if not bf16_supported():
+        return None
+    return "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else None
 
 
 def bf16_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -50,12 +56,17 @@ class GreedyHead:
     approx: Callable[[torch.Tensor], torch.Tensor]  # bfloat16 x [M, K] -> x @ weight.T in bfloat16
     norms: torch.Tensor  # [vocab] float32: each row's L2 norm, rounded up
     max_norm: float
+    max_rows: int | None = None  # the most rows it pays for (None: any)
 
     @classmethod
-    def build(cls, weight: torch.Tensor, vocab_size: int) -> GreedyHead:
+    def build(cls, weight: torch.Tensor, vocab_size: int, max_rows: int | None = None) -> GreedyHead:
         weight = weight.detach().contiguous()
         norms = weight[:vocab_size].double().norm(dim=1) * (1 + 1e-6)
-        return cls(weight, bf16_matmul(weight.to(torch.bfloat16)), norms.float(), float(norms.max()))
+        return cls(weight, bf16_matmul(weight.to(torch.bfloat16)), norms.float(), float(norms.max()),
+                   max_rows)
+
+    def takes(self, rows: int) -> bool:
+        return self.max_rows is None or rows <= self.max_rows
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M] int64: the argmax of each row's float32 logits; -1 where a logit is not finite
@@ -71,6 +82,9 @@ def greedy_head_for(weight: torch.Tensor, vocab_size: int, matmul: str, tp_size:
     if matmul != "native" or tp_size != 1 or weight.dtype != torch.float32:
         return None
     mode = greedy_head_mode()
-    if mode == "off" or (mode == "auto" and not amx_bf16()):
+    if mode == "on":
+        return GreedyHead.build(weight, vocab_size)
+    hardware = bf16_hardware() if mode == "auto" else None
+    if hardware is None:
         return None
-    return GreedyHead.build(weight, vocab_size)
+    return GreedyHead.build(weight, vocab_size, None if hardware == "amx" else AVX512_BF16_MAX_ROWS)
