@@ -10,7 +10,12 @@ import torch
 
 from flagserve import LLM, SamplingParams
 from flagserve.layers.embedding import ParallelLMHead
-from flagserve.layers.greedy_head import GREEDY_HEAD_ENV, bf16_hardware, greedy_head_for
+from flagserve.layers.greedy_head import (
+    AUTO_MIN_WEIGHTS,
+    GREEDY_HEAD_ENV,
+    bf16_hardware,
+    greedy_head_for,
+)
 from kernels import cpu_native
 
 needs_native = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.available(),
@@ -47,7 +52,9 @@ def test_built_for_a_native_float32_head_on_one_rank(monkeypatch):
     monkeypatch.setenv(GREEDY_HEAD_ENV, "off")
     assert greedy_head_for(weight, 100, "native", 1) is None
     monkeypatch.setenv(GREEDY_HEAD_ENV, "auto")
-    head = greedy_head_for(weight, 100, "native", 1)
+    assert greedy_head_for(weight, 100, "native", 1) is None  # small: the float32 head is as fast
+    weight = torch.randn(AUTO_MIN_WEIGHTS // 16, 16)
+    head = greedy_head_for(weight, weight.shape[0], "native", 1)
     assert (head is not None) == (bf16_hardware() is not None)
     if head is not None:  # every step with AMX, small ones with AVX512-BF16 alone
         assert head.takes(1) and head.takes(1000) == (bf16_hardware() == "amx")

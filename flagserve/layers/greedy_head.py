@@ -5,10 +5,11 @@ oneDNN's bfloat16 matmul bounds every logit, and only the tokens that could be t
 are recomputed in float32 (kernels/csrc/cpu_greedy_head.cpp has the bound and why the token
 is the float32 argmax's, not an approximation). For an LM head packed for the native
 float32 kernel, on one tensor-parallel rank. FLAGSERVE_CPU_GREEDY_HEAD:
-- auto (default): where the CPU multiplies bfloat16 in hardware, where it was measured
-  (docs/performance.md): with AMX for every step; with AVX512-BF16 alone for steps of up to
-  AVX512_BF16_MAX_ROWS sampled rows (from 24 rows on oneDNN's bf16 matmul there was slower
-  than the float32 kernel); emulated bfloat16 is slower still;
+- auto (default): where the CPU multiplies bfloat16 in hardware and it was measured faster
+  (docs/performance.md, CPU): with AMX in every greedy step; with AVX512-BF16 alone in steps
+  of up to AVX512_BF16_MAX_ROWS rows (beyond, oneDNN's bf16 matmul there is slower than the
+  float32 kernel); and only for heads of AUTO_MIN_WEIGHTS weights or more (a smaller head
+  stays in cache, where the float32 kernel is as fast). Emulated bfloat16 is slower still;
 - on: wherever the native kernels run (tests), bfloat16 by oneDNN or else by F.linear;
 - off: every step computes its float32 logits.
 """
@@ -28,6 +29,7 @@ from kernels.env import env_choice
 GreedyHeadMode = Literal["auto", "on", "off"]
 GREEDY_HEAD_ENV = "FLAGSERVE_CPU_GREEDY_HEAD"
 AVX512_BF16_MAX_ROWS = 16
+AUTO_MIN_WEIGHTS = 16 << 20  # SmolLM2's head: 28M
 
 
 def greedy_head_mode() -> GreedyHeadMode:
@@ -84,7 +86,7 @@ def greedy_head_for(weight: torch.Tensor, vocab_size: int, matmul: str, tp_size:
     mode = greedy_head_mode()
     if mode == "on":
         return GreedyHead.build(weight, vocab_size)
-    hardware = bf16_hardware() if mode == "auto" else None
+    hardware = bf16_hardware() if mode == "auto" and weight.numel() >= AUTO_MIN_WEIGHTS else None
     if hardware is None:
         return None
     return GreedyHead.build(weight, vocab_size, None if hardware == "amx" else AVX512_BF16_MAX_ROWS)
