@@ -222,6 +222,35 @@ def test_matchers_follow_tokens_queued_preempted_and_rejected(grammars):
     assert [t for t in (a, b, eos) if mask[0, t // 32] >> (t % 32) & 1] == [b]
 
 
+def test_next_masks_are_filled_once_the_tokens_are_known(grammars):
+    # advance_all sends the job that fills the next masks, so the next step sends none of its
+    # own; a row it did not cover (a new sequence) gets the step's own job, and the step's mask
+    # is composed of both, all ones for an unconstrained row.
+    from flagserve.engine.sequence import Sequence
+    so, tok = grammars
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+
+    def allowed(mask, row: int) -> list[int]:
+        return [t for t in (a, b) if mask[row, t // 32] >> (t % 32) & 1]
+
+    first = Sequence("r1", 0, [1, 2], 2, constrained(regex="(ab)+"), 0.0)
+    _ready(so, "r1", [first])
+    assert allowed(so.bitmask([first]).result(), 0) == [a]
+    first.token_ids.append(a)
+    assert so.advance_all([first]) == ["ok"]
+    sent = so.process.last_job
+    job = so.bitmask([first])
+    assert so.process.last_job == sent and [part[0] for part in job.parts] == [sent]
+    assert allowed(job.result(), 0) == [b]
+    second = Sequence("r2", 1, [1, 2], 2, constrained(regex="(ab)+"), 0.0)
+    _ready(so, "r2", [second])
+    free = Sequence("r3", 2, [1, 2], 2, SamplingParams(max_tokens=4), 0.0)
+    job = so.bitmask([second, free, first])
+    assert [part[0] for part in job.parts] == [sent, sent + 1]
+    mask = job.result()
+    assert allowed(mask, 0) == [a] and bool((mask[1] == -1).all()) and allowed(mask, 2) == [b]
+
+
 @ONE_MODE
 def test_grammar_process_death_is_an_error_not_a_hang(grammars):
     # Killed under the engine: the held request fails, the next mask raises, both saying so;
