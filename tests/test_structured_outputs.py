@@ -252,6 +252,24 @@ def test_next_masks_are_filled_once_the_tokens_are_known(grammars):
 
 
 @ONE_MODE
+def test_jobs_over_the_pipe_and_the_shared_memory_keep_their_order(grammars, monkeypatch):
+    # A job too large for its area (a long replay) goes over the pipe: the grammar process
+    # takes it, and the shared-memory job after it, in their order.
+    from flagserve.engine.sequence import Sequence
+    from flagserve.engine.structured_outputs import process
+    so, tok = grammars
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    seqs = [Sequence("r", 0, [1, 2], 2, constrained(regex="(ab)+"), 0.0)]
+    _ready(so, "r", seqs)
+    for token, shared in ((a, False), (b, True), (a, False), (b, True)):
+        monkeypatch.setattr(process, "JOB_BYTES", (1 << 20) if shared else 0)
+        mask = so.bitmask(seqs).result()
+        assert [t for t in (a, b) if mask[0, t // 32] >> (t % 32) & 1] == [token]
+        seqs[0].token_ids.append(token)
+        assert so.advance_all(seqs) == ["ok"]
+
+
+@ONE_MODE
 def test_grammar_process_death_is_an_error_not_a_hang(grammars):
     # Killed under the engine: the held request fails, the next mask raises, both saying so;
     # shutdown() after it still returns.

@@ -119,9 +119,14 @@ def shared_mask(mm: mmap.mmap, max_rows: int, vocab_size: int) -> Any:
                             count=AREAS * max_rows * words).view(AREAS * max_rows, words)
 
 
+def first_row(mask: Any, job: int) -> int:
+    """The first of job `job`'s mask rows (its area's)."""
+    return job % AREAS * (mask.shape[0] // AREAS)
+
+
 def job_rows(mask: Any, job: int, count: int) -> Any:
     """The `count` mask rows that job `job` fills, in its Step.fill order."""
-    first = job % AREAS * (mask.shape[0] // AREAS)
+    first = first_row(mask, job)
     return mask[first:first + count]
 
 
@@ -211,7 +216,7 @@ class Worker:
             ok = self.batch.batch_accept_token([self.matchers[i] for i in ids], tokens)
             rejected += [i for i, accepted in zip(ids, ok) if not accepted]
         if job.fill:
-            first = job.job % AREAS * (self.mask.shape[0] // AREAS)
+            first = first_row(self.mask, job.job)
             self.batch.batch_fill_next_token_bitmask([self.matchers[i] for i in job.fill], self.mask,
                                                      list(range(first, first + len(job.fill))))
         if rejected:
