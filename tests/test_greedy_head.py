@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from flagserve import LLM, SamplingParams
+from flagserve import LLM, SamplingParams, StructuredOutputsParams
 from flagserve.layers.embedding import ParallelLMHead
 from flagserve.layers.greedy_head import (
     AUTO_MIN_WEIGHTS,
@@ -39,6 +39,36 @@ def test_head_tokens_are_its_logits_argmax(monkeypatch):
         assert torch.equal(head.greedy(hidden), head(hidden).argmax(-1))
         head.greedy_head = dataclasses.replace(head.greedy_head, max_rows=8)
         assert head.greedy(hidden) is None
+
+
+@needs_native
+def test_head_tokens_with_a_grammar_mask_are_the_masked_logits_argmax(monkeypatch):
+    # Rows that allow everything, a few tokens (the best one masked out), one token, and none
+    # (left to the logits: what the sampler picks there); a NaN row stays the logits' answer.
+    from kernels.sampling import apply_token_bitmask_torch
+    monkeypatch.setenv(GREEDY_HEAD_ENV, "on")
+    torch.manual_seed(1)
+    head = ParallelLMHead(1000, 64)
+    head.weight.data.normal_()
+    head.pack_for_cpu("native")
+    hidden = torch.randn(6, 64) * 3
+    hidden[5, 7] = float("nan")
+    with torch.inference_mode():
+        logits = head(hidden).float()
+        allowed = torch.zeros(6, 1000, dtype=torch.bool)
+        allowed[0] = True
+        allowed[1, torch.randperm(1000)[:50]] = True
+        allowed[1, logits[1].argmax()] = False
+        allowed[2, 123] = True
+        allowed[4, ::3] = True
+        allowed[5] = True
+        words = torch.zeros(6, 32, dtype=torch.int64)  # 1000 tokens in 32 words of 32 bits
+        for row, token in allowed.nonzero().tolist():
+            words[row, token // 32] |= 1 << (token % 32)
+        bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        expected = apply_token_bitmask_torch(logits, bitmask).argmax(-1)
+        assert torch.equal(head.greedy(hidden, bitmask), expected)
+        assert expected[2] == 123 and expected[1] != logits[1].argmax()
 
 
 @needs_native
@@ -80,5 +110,10 @@ def test_engine_tokens_with_and_without_it(llama_path, monkeypatch):
     mixed = [(p, greedy) for p in prompts] + [
         ("Write code", SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)),
         ("The river", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2))]
-    for requests in ([(p, greedy) for p in prompts], mixed):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "w": {"type": "string"}},
+              "required": ["n", "w"]}
+    constrained = [(p, SamplingParams(temperature=0, max_tokens=24, structured_outputs=(
+        StructuredOutputsParams(json=schema) if i % 2 else StructuredOutputsParams(regex="[a-z ]+"))))
+        for i, p in enumerate(prompts)]
+    for requests in ([(p, greedy) for p in prompts], mixed, constrained):
         assert _run(llama_path, monkeypatch, "on", requests) == _run(llama_path, monkeypatch, "off", requests)

@@ -249,7 +249,8 @@ class ModelRunner:
             hidden = hidden[prepared.logits_indices]
         batch = self.sampling_batch(step) if par.samples else None
         # an all-greedy batch's tokens without its logits, where the LM head can (greedy_head.py)
-        tokens = self.model.greedy_tokens(hidden) if batch is not None and plain_greedy(batch) else None
+        tokens = self.model.greedy_tokens(hidden, batch.token_bitmask) \
+            if batch is not None and plain_greedy(batch, grammar=True) else None
         logits = None if tokens is not None else self.model.compute_logits(hidden)  # None off TP rank 0
         if self.device.type == "cuda" and not defer:
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward

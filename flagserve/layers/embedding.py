@@ -8,6 +8,7 @@ from torch import nn
 
 from flagserve.layers.cpu_matmul import PackedWeight, pack_weight
 from flagserve.layers.greedy_head import GreedyHead, greedy_head_for
+from kernels.sampling import apply_token_bitmask_torch
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -45,14 +46,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed = pack_weight(self.weight, mode)
         self.greedy_head = greedy_head_for(self.weight, self.vocab_size, mode, self.tp_size)
 
-    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[N] int64: the argmax of each row of forward(hidden), or None where this head has
-        no cheaper way to it than the logits."""
+    def greedy(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[N] int64: the argmax of each row of forward(hidden) (among the tokens `bitmask`
+        allows: a grammar's, as the sampler applies it), or None where this head has no
+        cheaper way to it than the logits."""
         if self.greedy_head is None or not self.greedy_head.takes(hidden.shape[0]):
             return None
-        tokens = self.greedy_head(hidden)
+        tokens = self.greedy_head(hidden, bitmask)
         if bool((lost := tokens < 0).any()):  # a logit not finite: torch.argmax's answer
-            tokens[lost] = self.forward(hidden[lost]).float().argmax(-1)
+            logits = self.forward(hidden[lost]).float()
+            if bitmask is not None:
+                logits = apply_token_bitmask_torch(logits, bitmask[lost])
+            tokens[lost] = logits.argmax(-1)
         return tokens
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from flagserve.layers.cpu_matmul import PackedWeight, bf16_supported, pack_weight
 from kernels import cpu_native
 from kernels.env import env_choice
+from kernels.sampling import apply_token_bitmask_torch
 
 GreedyHeadMode = Literal["auto", "on", "off"]
 GREEDY_HEAD_ENV = "FLAGSERVE_CPU_GREEDY_HEAD"
@@ -70,12 +71,22 @@ class GreedyHead:
     def takes(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[M] int64: the argmax of each row's float32 logits; -1 where a logit is not finite
-        (the caller computes that row's logits)."""
+    def __call__(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """[M] int64: the argmax of each row's float32 logits, among the tokens its row of
+        `bitmask` allows (a grammar's); -1 where a logit is not finite or the row allows no
+        token (the caller computes that row's logits)."""
         x = hidden.float().contiguous()
         approx = self.approx(x.to(torch.bfloat16))
-        return cpu_native.greedy_lm_head(x, self.weight, approx, self.norms, self.max_norm)
+        if bitmask is not None:
+            # A token outside the grammar gets bf16's lowest finite value: below the bound of
+            # any allowed token, so never a candidate (-inf would read as an overflow).
+            outside = apply_token_bitmask_torch(approx.new_zeros(1, approx.shape[1], dtype=torch.float32),
+                                                bitmask)
+            approx = torch.where(outside == 0, approx, torch.finfo(torch.bfloat16).min)
+        tokens = cpu_native.greedy_lm_head(x, self.weight, approx, self.norms, self.max_norm)
+        if bitmask is not None:
+            tokens[(bitmask == 0).all(-1)] = -1
+        return tokens
 
 
 def greedy_head_for(weight: torch.Tensor, vocab_size: int, matmul: str, tp_size: int) -> GreedyHead | None:

@@ -190,9 +190,10 @@ def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Genera
     return noise
 
 
-def plain_greedy(batch: SamplingBatch) -> bool:
-    """Every row greedy with nothing to apply first and no logprobs to report."""
-    return (batch.all_greedy and batch.max_num_logprobs < 0 and batch.token_bitmask is None
+def plain_greedy(batch: SamplingBatch, grammar: bool = False) -> bool:
+    """Every row greedy with nothing to apply first (but a grammar's mask, where `grammar`) and
+    no logprobs to report."""
+    return (batch.all_greedy and batch.max_num_logprobs < 0 and (grammar or batch.token_bitmask is None)
             and batch.banned_token_ids is None and batch.logit_bias is None
             and batch.repetition_penalties is None
             and batch.presence_penalties is None and batch.frequency_penalties is None)

@@ -160,10 +160,10 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The argmax of compute_logits(hidden) per row, without them where the LM head can
-        (ParallelLMHead.greedy), else None."""
-        return self.lm_head.greedy(hidden)
+    def greedy_tokens(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The argmax of compute_logits(hidden) per row (among the tokens `bitmask` allows),
+        without them where the LM head can (ParallelLMHead.greedy), else None."""
+        return self.lm_head.greedy(hidden, bitmask)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
