@@ -22,14 +22,20 @@ needs_native = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.av
                                   reason="the native kernels are CPU-only and need a C++ compiler")
 
 
-@needs_native
-def test_head_tokens_are_its_logits_argmax(monkeypatch):
+def _head(monkeypatch, seed: int) -> ParallelLMHead:
+    """A random [1000, 64] head packed for the native kernel, with its greedy head."""
     monkeypatch.setenv(GREEDY_HEAD_ENV, "on")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     head = ParallelLMHead(1000, 64)
     head.weight.data.normal_()
     head.pack_for_cpu("native")
     assert head.greedy_head is not None
+    return head
+
+
+@needs_native
+def test_head_tokens_are_its_logits_argmax(monkeypatch):
+    head = _head(monkeypatch, 0)
     hidden = torch.randn(9, 64) * 3
     hidden[4, 2] = float("nan")  # its logits are NaN: torch.argmax's answer, from the logits
     with torch.inference_mode():
@@ -46,11 +52,7 @@ def test_head_tokens_with_a_grammar_mask_are_the_masked_logits_argmax(monkeypatc
     # Rows that allow everything, a few tokens (the best one masked out), one token, and none
     # (left to the logits: what the sampler picks there); a NaN row stays the logits' answer.
     from kernels.sampling import apply_token_bitmask_torch
-    monkeypatch.setenv(GREEDY_HEAD_ENV, "on")
-    torch.manual_seed(1)
-    head = ParallelLMHead(1000, 64)
-    head.weight.data.normal_()
-    head.pack_for_cpu("native")
+    head = _head(monkeypatch, 1)
     hidden = torch.randn(6, 64) * 3
     hidden[5, 7] = float("nan")
     with torch.inference_mode():
