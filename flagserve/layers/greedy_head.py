@@ -80,9 +80,9 @@ class GreedyHead:
         if bitmask is not None:
             # A token outside the grammar gets bf16's lowest finite value: below the bound of
             # any allowed token, so never a candidate (-inf would read as an overflow).
-            outside = apply_token_bitmask_torch(approx.new_zeros(1, approx.shape[1], dtype=torch.float32),
-                                                bitmask)
-            approx = torch.where(outside == 0, approx, torch.finfo(torch.bfloat16).min)
+            n = self.norms.numel()  # the vocabulary, which the mask covers
+            outside = apply_token_bitmask_torch(approx.new_zeros(1, n, dtype=torch.float32), bitmask)
+            approx = torch.where(outside == 0, approx[:, :n], torch.finfo(torch.bfloat16).min)
         tokens = cpu_native.greedy_lm_head(x, self.weight, approx, self.norms, self.max_norm)
         if bitmask is not None:
             tokens[(bitmask == 0).all(-1)] = -1
