@@ -111,7 +111,7 @@ class GrammarProcess:
         job before last, whose areas this one takes."""
         job = self._jobs = self._jobs + 1
         if job > AREAS:
-            self.wait(job - AREAS)  # its job bytes were read (as a rule, long since)
+            self._wait_done(job - AREAS)  # its job bytes were read (as a rule, long since)
         area = job % AREAS
         self._fills[area] = len(step.fill)
         data = pickle.dumps(step._replace(job=job), protocol=pickle.HIGHEST_PROTOCOL)
