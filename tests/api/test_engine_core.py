@@ -97,8 +97,15 @@ def test_engine_process_reports_load_failure(tmp_path):
 
 
 def _engine_children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children()
-            if "flagserve.engine.core.process" in " ".join(p.cmdline())]
+    """This process's engine children. A child just spawned may not have exec'd yet (its
+    cmdline still this process's): looked at again for a while rather than missed."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = [p for p in psutil.Process().children()
+                 if "flagserve.engine.core.process" in " ".join(p.cmdline())]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.01)
 
 
 def test_the_replicas_own_start_runs_while_the_child_loads(llama_path):
