@@ -177,14 +177,17 @@ def rotary_store_kvcache_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight [N, K] as packed_linear reads it: [ceil(N / 32), K, 32], zero-padded."""
+    """A weight [N, K] as packed_linear reads it: [ceil(N / 32), K, 32], zero-padded, in its
+    dtype: float32, or bfloat16 (its columns interleaved in pairs: cpu_linear.cpp), which
+    packed_linear widens to float32 as it reads it."""
     load_library()
     return torch.ops.flagserve_cpu.pack_linear_weight(weight)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K] float32 against pack_linear_weight(weight)."""
+    """F.linear(x, weight, bias) in float32 for x [M, K] float32 against
+    pack_linear_weight(weight)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     return torch.ops.flagserve_cpu.packed_linear(x, packed, out_features, bias)

@@ -293,7 +293,10 @@ def roofline(args: argparse.Namespace, cfg, work: Workload, steps: int, seconds:
     bandwidth = args.bandwidth_gbs or measure_bandwidth_gbs(device)
     peak = args.peak_tflops or measure_peak_tflops(device, getattr(torch, args.dtype))
     prompt_lens = [len(p) for p in work.prompts]
-    weights = weight_bytes(cfg, elem)
+    # No more bytes per weight than the checkpoint holds (a bf16 one run in float32 has bf16
+    # values, which the CPU kernels store as such: layers/cpu_matmul.py).
+    stored = elem if cfg.checkpoint_format == "gguf" else DTYPE_BYTES.get(cfg.torch_dtype, elem)
+    weights = weight_bytes(cfg, min(elem, stored))
     kv = kv_bytes(prompt_lens, work.max_tokens, kv_bytes_per_token(cfg, elem))
     flops = matmul_flops(cfg, prompt_lens, work.max_tokens)
     memory = floor_seconds(steps, weights, kv, bandwidth)

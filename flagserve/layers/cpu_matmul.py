@@ -15,6 +15,13 @@ weight once, at load, into a layout its kernel reads as it is:
 Either way the outputs are the same sums in another order: float32 results differ from
 F.linear's by rounding only (about 1e-6 relative).
 
+A float32 weight whose values are all bfloat16 (a bf16 checkpoint run in float32) is packed
+in bfloat16 for the native kernel (FLAGSERVE_CPU_WEIGHTS=auto, the default; `float32` keeps
+every weight in float32): the kernel widens it exactly as it loads it, so the outputs are the
+same bits, and a step of a few rows, which streams every weight from memory once, reads half
+the bytes (1.5-1.7x on a linear's few-row calls; ~0.94x at 256 rows, where the widening
+competes with the FMAs: docs/performance.md, CPU).
+
 CpuMatmul modes (FLAGSERVE_CPU_MATMUL, default auto): `aten` is F.linear everywhere; `native`
 and `onednn` pack every linear layer and the LM head; `auto` is native for float32 where the
 native CPU kernels build, else onednn where torch has oneDNN (mkldnn) and the dtype is
@@ -33,6 +40,8 @@ from kernels.env import env_choice
 
 CpuMatmul = Literal["auto", "aten", "native", "onednn"]
 MATMUL_ENV = "FLAGSERVE_CPU_MATMUL"
+CpuWeights = Literal["auto", "float32"]
+WEIGHTS_ENV = "FLAGSERVE_CPU_WEIGHTS"
 # oneDNN picks its blocking for the row count it is told to expect; decode batches and the
 # LM head's sampled rows are in the tens (measured: docs/performance.md, CPU).
 BATCH_HINT = 64
@@ -69,7 +78,9 @@ def bf16_supported() -> bool:
 class PackedWeight:
     """A weight [out, in] in the layout of `mode`'s kernel; called as F.linear(x, weight, bias)."""
     mode: Literal["native", "onednn"]
-    data: torch.Tensor  # native: [ceil(out / 32), in, 32]; onednn: an opaque mkldnn tensor
+    # native: [ceil(out / 32), in, 32], float32 or (values that are all bfloat16) bfloat16;
+    # onednn: an opaque mkldnn tensor
+    data: torch.Tensor
     out_features: int
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -91,6 +102,17 @@ class PackedWeight:
 def pack_weight(weight: torch.Tensor, mode: Literal["native", "onednn"]) -> PackedWeight:
     weight = weight.detach().contiguous()
     if mode == "native":
+        if env_choice(WEIGHTS_ENV, CpuWeights, "auto") == "auto" and holds_bfloat16(weight):
+            weight = weight.to(torch.bfloat16)  # exact: every value is one
         return PackedWeight(mode, cpu_native.pack_linear_weight(weight), weight.shape[0])
     return PackedWeight(mode, torch.ops.mkldnn._reorder_linear_weight(  # noqa: SLF001
         weight, BATCH_HINT), weight.shape[0])
+
+
+def holds_bfloat16(weight: torch.Tensor, rows: int = 4096) -> bool:
+    """Whether every value of a float32 weight is a bfloat16 (the low 16 bits of each are
+    zero), looked at `rows` rows at a time."""
+    if weight.dtype != torch.float32:
+        return False
+    bits = weight.reshape(weight.shape[0], -1).view(torch.int32)
+    return not any((part & 0xFFFF).any() for part in bits.split(rows))

@@ -64,13 +64,18 @@ def checkpoint_weights(model: str | Path, keep: Callable[[str], bool]
     return iterate_weights(Path(model), keep)
 
 
-def init_random_weights_(model: torch.nn.Module, seed: int = 0) -> None:
+def init_random_weights_(model: torch.nn.Module, seed: int = 0,
+                         checkpoint_dtype: torch.dtype | None = None) -> None:
     """Random weights drawn on the model's device (vLLM's load_format="dummy"): every matrix
-    N(0, 0.02), norm gains and biases as built (1 and 0). For benchmarks: no file to read."""
+    N(0, 0.02), norm gains and biases as built (1 and 0). For benchmarks: no file to read.
+    checkpoint_dtype: the values rounded to it, as a checkpoint of that dtype holds them (a
+    bf16 model run in float32 has bf16 values, which the CPU kernels store in bf16)."""
     for p in model.parameters():
         if p.dim() >= 2:
             gen = torch.Generator(device=p.device).manual_seed(seed)
             p.normal_(0.0, 0.02, generator=gen)
+            if checkpoint_dtype is not None and checkpoint_dtype != p.dtype:
+                p.copy_(p.to(checkpoint_dtype))
             seed += 1
 
 
@@ -87,7 +92,8 @@ def load_model(model: str | Path, cfg: ModelConfig, ops: KernelOps, dtype: torch
     finally:
         torch.set_default_dtype(default_dtype)
     if random_weights:
-        init_random_weights_(decoder)
+        floats = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        init_random_weights_(decoder, checkpoint_dtype=floats.get(cfg.torch_dtype))
     else:
         decoder.load_weights(checkpoint_weights(model, decoder.owns_weight))
     return decoder.eval()

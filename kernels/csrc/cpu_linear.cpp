@@ -7,6 +7,12 @@
 // kRows x kTile outputs in registers and, per k, loads the tile's row once and multiplies it
 // by kRows broadcast inputs: no horizontal sums, each weight byte read from memory once per
 // call. Numerics: each output is one float32 FMA chain over k in order.
+//
+// A weight whose values are all bfloat16 (a bf16 checkpoint run in float32) may be packed in
+// bfloat16, the same layout at half the bytes: the kernel widens each weight vector to
+// float32 as it loads it (exact), so the products and sums are the same bits, and a decode
+// step, which streams its weights from memory once, reads half as many (docs/performance.md,
+// CPU).
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -41,14 +47,42 @@ constexpr int64_t kChunkBytes = 256 * 1024;
 // (the one block of a 4-8 row step waited on them). Measured in docs/performance.md, CPU.
 constexpr int64_t kPrefetchEvery = 2, kGrainTiles = 4, kAheadRows = 16;
 
+// A tile row (kTile weights at w) as float32 vectors. bfloat16 tiles are stored with the
+// columns of the two vectors interleaved (pack_linear_weight): 32-bit word i holds column i
+// in its low half and column Vec::size() + i in its high half, so one load and two integer
+// ops widen both vectors (exact: a bfloat16 is the top half of its float32).
+inline void load_row(const float* w, Vec* wv) {
+  for (int64_t j = 0; j < kVecs; ++j) wv[j] = Vec::loadu(w + j * Vec::size());
+}
+
+inline void load_row(const at::BFloat16* w, Vec* wv) {
+  static_assert(kVecs == 2, "two vectors interleaved in 32-bit words");
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i words = _mm512_loadu_si512(w);
+  wv[0] = Vec(_mm512_castsi512_ps(_mm512_slli_epi32(words, 16)));
+  wv[1] = Vec(_mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(int(0xFFFF0000u)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  wv[0] = Vec(_mm256_castsi256_ps(_mm256_slli_epi32(words, 16)));
+  wv[1] = Vec(_mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(int(0xFFFF0000u)))));
+#else
+  float wide[kTile];
+  for (int64_t i = 0; i < Vec::size(); ++i) {
+    wide[i] = static_cast<float>(w[2 * i]);
+    wide[Vec::size() + i] = static_cast<float>(w[2 * i + 1]);
+  }
+  for (int64_t j = 0; j < kVecs; ++j) wv[j] = Vec::loadu(wide + j * Vec::size());
+#endif
+}
+
 // How a row block prefetches while it runs (see above): its own tile kAheadRows k ahead
 // (a tile's first block), or `npf` cache lines of the next tile from `pf` (the others).
 enum class Prefetch { kAhead, kNextTile };
 
 // Rows [0, R) of one tile: out = init + x . w (init: the tile's kTile bias values, or null for
 // zeros), the sums in registers from the first k to the last.
-template <int64_t R, Prefetch P>
-void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const float* init,
+template <int64_t R, Prefetch P, typename W>
+void tile_rows(const float* x, int64_t ldx, const W* w, int64_t K, const float* init,
                float* out, int64_t ldo, int64_t cols, const char* pf, int64_t npf) {
   Vec acc[R][kVecs];
   for (int64_t r = 0; r < R; ++r)
@@ -56,7 +90,7 @@ void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const flo
       acc[r][j] = init == nullptr ? Vec(0.f) : Vec::loadu(init + j * Vec::size());
   const auto step = [&](int64_t k) __attribute__((always_inline)) {
     Vec wv[kVecs];
-    for (int64_t j = 0; j < kVecs; ++j) wv[j] = Vec::loadu(w + k * kTile + j * Vec::size());
+    load_row(w + k * kTile, wv);
     for (int64_t r = 0; r < R; ++r) {
       const Vec xb(x[r * ldx + k]);
       for (int64_t j = 0; j < kVecs; ++j) acc[r][j] = at::vec::fmadd(xb, wv[j], acc[r][j]);
@@ -69,7 +103,7 @@ void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const flo
     // Past the tile's end this reads on into the next tile (the same thread's, mostly).
     for (; k < K; ++k) {
       const char* ahead = reinterpret_cast<const char*>(w + (k + kAheadRows) * kTile);
-      for (int64_t line = 0; line < kTile * int64_t(sizeof(float)); line += 64)
+      for (int64_t line = 0; line < kTile * int64_t(sizeof(W)); line += 64)
         __builtin_prefetch(ahead + line, 0, 3);
       step(k);
     }
@@ -93,26 +127,27 @@ void tile_rows(const float* x, int64_t ldx, const float* w, int64_t K, const flo
   }
 }
 
-template <Prefetch P, int64_t R = kRows>
-void rows_of_tile(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t K,
+template <Prefetch P, typename W, int64_t R = kRows>
+void rows_of_tile(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t K,
                   const float* init, float* out, int64_t ldo, int64_t cols, const char* pf,
                   int64_t npf) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_of_tile<P, R - 1>(rows, x, ldx, w, K, init, out, ldo, cols, pf, npf);
+    if (rows < R) return rows_of_tile<P, W, R - 1>(rows, x, ldx, w, K, init, out, ldo, cols, pf, npf);
   }
-  tile_rows<R, P>(x, ldx, w, K, init, out, ldo, cols, pf, npf);
+  tile_rows<R, P, W>(x, ldx, w, K, init, out, ldo, cols, pf, npf);
 }
 
 // One tile's weights and bias (or null), and what its row blocks after the first prefetch:
 // the tile after it (`next`, null for none), a share of its cache lines each.
+template <typename W>
 struct Tile {
-  const float* w;
+  const W* w;
   const float* init;
   const char* next;
   int64_t share, lines;
 
-  Tile(const float* w, const float* init, const float* next, int64_t blocks, int64_t lines)
-      : w(w), init(init), next(reinterpret_cast<const char*>(next)),
+  Tile(const W* w, const float* init, const void* next, int64_t blocks, int64_t lines)
+      : w(w), init(init), next(static_cast<const char*>(next)),
         share(next != nullptr ? (lines + blocks - 2) / (blocks - 1) : 0), lines(lines) {}
 
   // Row block b (rows rows of x from xb): out (ldo apart) = init + x . w.
@@ -136,20 +171,28 @@ int64_t chunk_rows(int64_t M, int64_t K) {
   return ((M + chunks - 1) / chunks + kRows - 1) / kRows * kRows;
 }
 
-// [N, K] -> [ceil(N / kTile), K, kTile], the columns past N zero.
+// [N, K] -> [ceil(N / kTile), K, kTile], the columns past N zero; float32, or bfloat16 for a
+// weight whose values are all bfloat16 (the caller's to know: flagserve/layers/cpu_matmul.py).
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight: [N, K] float32");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat ||
+                                    weight.scalar_type() == at::kBFloat16),
+              "weight: [N, K] float32 or bfloat16");
   const int64_t N = weight.size(0), K = weight.size(1), tiles = (N + kTile - 1) / kTile;
   at::Tensor padded = at::zeros({tiles * kTile, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({tiles, kTile, K}).transpose(1, 2).contiguous();
+  at::Tensor packed = padded.view({tiles, kTile, K}).transpose(1, 2);  // [tiles, K, kTile]
+  if (weight.scalar_type() == at::kBFloat16)  // the two vectors' columns interleaved (load_row)
+    packed = packed.reshape({tiles, K, kVecs, Vec::size()}).transpose(2, 3);
+  return packed.contiguous().view({tiles, K, kTile});
 }
 
 // The checks and shapes both linears share: x [M, K] float32 (rows contiguous) against a
 // pack_linear_weight of an [N, K] weight, and an optional [N] bias.
 struct Problem {
   int64_t M, K, tiles, ldx, chunk, chunks, lines;
-  const float *x, *w, *bias;
+  bool bf16;  // the packed weight's values are stored in bfloat16
+  const float *x, *bias;
+  const void* w;
   at::Tensor b;  // the contiguous bias that `bias` points into
 
   Problem(const at::Tensor& xt, const at::Tensor& packed, int64_t N,
@@ -157,7 +200,8 @@ struct Problem {
     TORCH_CHECK(xt.dim() == 2 && xt.stride(1) == 1 && xt.scalar_type() == at::kFloat,
                 "x: [M, K] float32, rows contiguous");
     TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kTile &&
-                packed.size(1) == xt.size(1) && packed.size(0) == (N + kTile - 1) / kTile,
+                packed.size(1) == xt.size(1) && packed.size(0) == (N + kTile - 1) / kTile &&
+                (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
                 "packed: pack_linear_weight of an [N, K] weight");
     if (bias_opt.has_value() && bias_opt->defined()) {
       TORCH_CHECK(bias_opt->dim() == 1 && bias_opt->size(0) == N &&
@@ -167,12 +211,14 @@ struct Problem {
     M = xt.size(0), K = xt.size(1), tiles = packed.size(0), ldx = xt.stride(0);
     chunk = M == 0 ? 0 : chunk_rows(M, K);  // (chunk_rows would divide by zero)
     chunks = M == 0 ? 0 : (M + chunk - 1) / chunk;
-    lines = K * kTile * int64_t(sizeof(float)) / 64;  // of one tile
-    x = xt.data_ptr<float>(), w = packed.data_ptr<float>();
+    lines = K * kTile * int64_t(packed.element_size()) / 64;  // of one tile
+    bf16 = packed.scalar_type() == at::kBFloat16;
+    x = xt.data_ptr<float>(), w = packed.data_ptr();
     bias = b.defined() ? b.data_ptr<float>() : nullptr;
   }
 
-  const float* tile(int64_t t) const { return w + t * K * kTile; }
+  template <typename W>
+  const W* tile(int64_t t) const { return static_cast<const W*>(w) + t * K * kTile; }
   int64_t blocks(int64_t m0, int64_t m1) const { return (m1 - m0 + kRows - 1) / kRows; }
   // A thread takes this many items at a time (see kGrainTiles); one block: no prefetch.
   int64_t grain(int64_t tiles_per_item) const {
@@ -180,13 +226,8 @@ struct Problem {
   }
 };
 
-}  // namespace
-
-at::Tensor cpu_ops::packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                                 const c10::optional<at::Tensor>& bias) {
-  const Problem p(x, packed, N, bias);
-  at::Tensor out = at::empty({p.M, N}, x.options());
-  float* op = out.data_ptr<float>();
+template <typename W>
+void linear(const Problem& p, int64_t N, float* op) {
   // Work items are (row chunk, tile) pairs, chunk-major, so a thread's run of items is
   // consecutive tiles of one chunk (why chunks and runs: the constants above). Within a chunk
   // the rows go in blocks of kRows. (Chunks of k that every block ran before the next chunk,
@@ -203,7 +244,7 @@ at::Tensor cpu_ops::packed_linear(const at::Tensor& x, const at::Tensor& packed,
       }
       const int64_t blocks = p.blocks(m0, m1);
       const bool next = item + 1 < end && t + 1 < p.tiles && blocks > 1;
-      const Tile tile(p.tile(t), init, next ? p.tile(t + 1) : nullptr, blocks, p.lines);
+      const Tile<W> tile(p.tile<W>(t), init, next ? p.tile<W>(t + 1) : nullptr, blocks, p.lines);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t m = m0 + b * kRows;
         tile.block(b, std::min(kRows, m1 - m), p.x + m * p.ldx, p.ldx, p.K, op + m * N + t * kTile,
@@ -211,6 +252,45 @@ at::Tensor cpu_ops::packed_linear(const at::Tensor& x, const at::Tensor& packed,
       }
     }
   });
+}
+
+template <typename W>
+void linear_silu(const Problem& p, int64_t I, float* op) {
+  const int64_t pairs = p.tiles / 2;  // gate tile t and up tile t + pairs: columns t and I + t
+  // As linear, an item a pair of tiles; each row block runs its gate tile, then its up tile,
+  // into registers' worth of scratch, and leaves as silu(gate) * up: the [M, 2 I] output and
+  // silu_and_mul's pass over it are never written (docs/performance.md, CPU).
+  pool::parallel_for(0, p.chunks * pairs, p.grain(2), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item % pairs, u = t + pairs, m0 = item / pairs * p.chunk;
+      const int64_t m1 = std::min(p.M, m0 + p.chunk), blocks = p.blocks(m0, m1);
+      const bool next = item + 1 < end && t + 1 < pairs && blocks > 1;
+      const float* gate_bias = p.bias == nullptr ? nullptr : p.bias + t * kTile;
+      const float* up_bias = p.bias == nullptr ? nullptr : p.bias + u * kTile;
+      const Tile<W> gate(p.tile<W>(t), gate_bias, next ? p.tile<W>(t + 1) : nullptr, blocks, p.lines);
+      const Tile<W> up(p.tile<W>(u), up_bias, next ? p.tile<W>(u + 1) : nullptr, blocks, p.lines);
+      alignas(64) float g[kRows * kTile], v[kRows * kTile];
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t m = m0 + b * kRows, rows = std::min(kRows, m1 - m);
+        const float* xb = p.x + m * p.ldx;
+        gate.block(b, rows, xb, p.ldx, p.K, g, kTile, kTile);
+        up.block(b, rows, xb, p.ldx, p.K, v, kTile, kTile);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < kTile; j += Vec::size())
+            cpu_ops::silu_mul(Vec::loadu(g + r * kTile + j), Vec::loadu(v + r * kTile + j))
+                .store(op + (m + r) * I + t * kTile + j);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor cpu_ops::packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                                 const c10::optional<at::Tensor>& bias) {
+  const Problem p(x, packed, N, bias);
+  at::Tensor out = at::empty({p.M, N}, x.options());
+  (p.bf16 ? linear<at::BFloat16> : linear<float>)(p, N, out.data_ptr<float>());
   return out;
 }
 
@@ -222,33 +302,7 @@ at::Tensor cpu_ops::packed_linear_silu(const at::Tensor& x, const at::Tensor& pa
     return silu_and_mul(packed_linear(x, packed, N, bias));
   const Problem p(x, packed, N, bias);
   at::Tensor out = at::empty({p.M, I}, x.options());
-  float* op = out.data_ptr<float>();
-  const int64_t pairs = p.tiles / 2;  // gate tile t and up tile t + pairs: columns t and I + t
-  // As packed_linear, an item a pair of tiles; each row block runs its gate tile, then its up
-  // tile, into registers' worth of scratch, and leaves as silu(gate) * up: the [M, 2 I] output
-  // and silu_and_mul's pass over it are never written (docs/performance.md, CPU).
-  pool::parallel_for(0, p.chunks * pairs, p.grain(2), [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item % pairs, u = t + pairs, m0 = item / pairs * p.chunk;
-      const int64_t m1 = std::min(p.M, m0 + p.chunk), blocks = p.blocks(m0, m1);
-      const bool next = item + 1 < end && t + 1 < pairs && blocks > 1;
-      const float* gate_bias = p.bias == nullptr ? nullptr : p.bias + t * kTile;
-      const float* up_bias = p.bias == nullptr ? nullptr : p.bias + u * kTile;
-      const Tile gate(p.tile(t), gate_bias, next ? p.tile(t + 1) : nullptr, blocks, p.lines);
-      const Tile up(p.tile(u), up_bias, next ? p.tile(u + 1) : nullptr, blocks, p.lines);
-      alignas(64) float g[kRows * kTile], v[kRows * kTile];
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t m = m0 + b * kRows, rows = std::min(kRows, m1 - m);
-        const float* xb = p.x + m * p.ldx;
-        gate.block(b, rows, xb, p.ldx, p.K, g, kTile, kTile);
-        up.block(b, rows, xb, p.ldx, p.K, v, kTile, kTile);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < kTile; j += Vec::size())
-            silu_mul(Vec::loadu(g + r * kTile + j), Vec::loadu(v + r * kTile + j))
-                .store(op + (m + r) * I + t * kTile + j);
-      }
-    }
-  });
+  (p.bf16 ? linear_silu<at::BFloat16> : linear_silu<float>)(p, I, out.data_ptr<float>());
   return out;
 }
 

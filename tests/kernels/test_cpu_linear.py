@@ -102,3 +102,29 @@ def test_refuses_what_it_cannot_read():
         cpu_native.packed_linear(torch.randn(2, 16, dtype=torch.float64), packed, 40, None)
     with pytest.raises(RuntimeError, match="bias"):
         cpu_native.packed_linear(torch.randn(2, 16), packed, 40, torch.randn(39))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 100, 300])
+@pytest.mark.parametrize("out_features", [17, 64, 100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_packing_gives_the_float32_bits(rows, out_features, threads):
+    """A weight whose values are all bfloat16, packed in bfloat16 (columns interleaved in
+    pairs), widens to the float32 weight exactly: both linears give every bit of the float32
+    packing's, in every row block tail, partial tile and row chunk (300 x 1,000 rows)."""
+    gen = torch.Generator().manual_seed(rows * 100 + out_features)
+    x = torch.randn(rows, 1000, generator=gen)
+    weight = (torch.randn(out_features, 1000, generator=gen) * 0.05).bfloat16()
+    bias = torch.randn(out_features, generator=gen)
+    wide, narrow = (cpu_native.pack_linear_weight(w) for w in (weight.float(), weight))
+    assert narrow.dtype == torch.bfloat16 and narrow.shape == wide.shape
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            assert torch.equal(cpu_native.packed_linear(x, narrow, out_features, b),
+                               cpu_native.packed_linear(x, wide, out_features, b))
+        if out_features % 2 == 0:
+            assert torch.equal(cpu_native.packed_linear_silu(x, narrow, out_features, bias),
+                               cpu_native.packed_linear_silu(x, wide, out_features, bias))
+    finally:
+        torch.set_num_threads(before)
