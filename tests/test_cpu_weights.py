@@ -1,8 +1,8 @@
 """Weights of bfloat16 values stored in bfloat16 on CPU (layers/cpu_matmul.py): a bf16
-checkpoint run in float32 gives the same tokens and logprobs, bit for bit, with its linear
-layers and LM head packed in bfloat16 (FLAGSERVE_CPU_WEIGHTS=auto) as in float32; through the
-native layers (Llama) and the Python ones (Qwen3's q/k norm); weights with any other value
-stay float32."""
+checkpoint runs in float32 on CPU (`dtype: auto`) and gives the same tokens and logprobs, bit
+for bit, with its linear layers and LM head packed in bfloat16 (FLAGSERVE_CPU_WEIGHTS=auto) as
+in float32; through the native layers (Llama) and the Python ones (Qwen3's q/k norm); weights
+with any other value stay float32."""
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from flagserve import LLM, SamplingParams
 from flagserve.layers.cpu_matmul import WEIGHTS_ENV, holds_bfloat16, pack_weight
+from flagserve.models.config import auto_dtype, load_model_config
 from kernels import cpu_native
 
 needs_native = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.available(),
@@ -33,8 +34,9 @@ def _bf16_checkpoint(src: str, out: Path) -> str:
 
 def _run(path, monkeypatch, weights):
     monkeypatch.setenv(WEIGHTS_ENV, weights)
-    llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=24)
+    llm = LLM(path, device="cpu", max_num_seqs=4, max_num_batched_tokens=24)  # dtype auto
     model = llm.llm_engine.executor.runner.model
+    assert {p.dtype for p in model.parameters() if p.numel()} == {torch.float32}
     stored = {m.packed.data.dtype for m in model.modules() if getattr(m, "packed", None) is not None}
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2,
                              prompt_logprobs=1),
@@ -49,6 +51,9 @@ def _run(path, monkeypatch, weights):
 def test_a_bf16_checkpoint_in_float32_gives_the_same_bits(tiny_model_factory, monkeypatch,
                                                           tmp_path, arch):
     path = _bf16_checkpoint(tiny_model_factory(arch), tmp_path / "bf16")
+    cfg = load_model_config(path)
+    assert cfg.torch_dtype == "bfloat16"
+    assert (auto_dtype(cfg, on_gpu=False), auto_dtype(cfg, on_gpu=True)) == ("float32", "bfloat16")
     narrow, narrow_stored = _run(path, monkeypatch, "auto")
     wide, wide_stored = _run(path, monkeypatch, "float32")
     assert narrow_stored == {torch.bfloat16} and wide_stored == {torch.float32}

@@ -50,12 +50,17 @@ def transformers_location(path: str | Path) -> tuple[str, dict[str, str]]:
 
 
 def auto_dtype(cfg: ModelConfig, on_gpu: bool) -> str:
-    """What `dtype: auto` means. An HF checkpoint: its own torch_dtype. A GGUF file has none
-    worth keeping (it is dequantized anyway): bfloat16 on a GPU; float32 on CPU. bfloat16 is
-    faster on an AMX CPU (2.1x on SmolLM2-135M) but not within tolerance: logprobs off by up
-    to 0.12 and greedy tokens diverging from the first few, against 6e-6 and none in float32."""
+    """What `dtype: auto` means. On a GPU, an HF checkpoint's own torch_dtype; a GGUF file
+    has none worth keeping (it is dequantized anyway): bfloat16. On CPU float32, whatever the
+    checkpoint: bfloat16 there is not within tolerance (SmolLM2: logprobs off by up to 0.12 and
+    greedy tokens diverging from the first few, against 6e-6 and none in float32), and a bf16
+    checkpoint's weights stay bf16 in memory all the same (layers/cpu_matmul.py), which made
+    float32 faster than bfloat16 on a CPU without AMX (with AMX, bfloat16 ran SmolLM2 2.1x
+    faster: `dtype: bfloat16` asks for it; docs/performance.md, CPU)."""
+    if not on_gpu:
+        return "float32"
     if cfg.checkpoint_format == "gguf":
-        return "bfloat16" if on_gpu else "float32"
+        return "bfloat16"
     return cfg.torch_dtype if cfg.torch_dtype in ("float32", "float16", "bfloat16") else "float32"
 
 
