@@ -62,10 +62,10 @@ def test_a_bf16_checkpoint_in_float32_gives_the_same_bits(tiny_model_factory, mo
 
 @needs_native
 def test_only_weights_of_bfloat16_values_are_stored_so(monkeypatch):
-    weight = torch.randn(64, 48).bfloat16().float()
+    weight = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).bfloat16().float()
     assert holds_bfloat16(weight) and holds_bfloat16(weight, rows=5)  # any row split
     off = weight.clone()
-    off[63, 47] = torch.nextafter(off[63, 47], torch.tensor(1.0))  # one value a float32 ulp off
+    off[63, 47] = torch.nextafter(off[63, 47], torch.tensor(float("inf")))  # a float32 ulp off
     assert not holds_bfloat16(off) and not holds_bfloat16(off, rows=5)
     assert not holds_bfloat16(weight.double())
     monkeypatch.setenv(WEIGHTS_ENV, "auto")
