@@ -30,10 +30,9 @@ from flagserve.layers.sampler import (
     seeded_generator,
 )
 from flagserve.models.config import ModelConfig, auto_dtype
-from flagserve.models.loader import load_model
+from flagserve.models.loader import DTYPES, load_model
 from kernels import KernelOps, get_ops
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 log = logging.getLogger(__name__)
 
 

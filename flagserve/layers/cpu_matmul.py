@@ -19,7 +19,7 @@ A float32 weight whose values are all bfloat16 (a bf16 checkpoint run in float32
 in bfloat16 for the native kernel (FLAGSERVE_CPU_WEIGHTS=auto, the default; `float32` keeps
 every weight in float32): the kernel widens it exactly as it loads it, so the outputs are the
 same bits, and a step of a few rows, which streams every weight from memory once, reads half
-the bytes (1.5-1.7x on a linear's few-row calls; ~0.94x at 256 rows, where the widening
+the bytes (faster up to tens of rows, a little slower at hundreds, where the widening
 competes with the FMAs: docs/performance.md, CPU).
 
 CpuMatmul modes (FLAGSERVE_CPU_MATMUL, default auto): `aten` is F.linear everywhere; `native`

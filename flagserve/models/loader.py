@@ -64,6 +64,9 @@ def checkpoint_weights(model: str | Path, keep: Callable[[str], bool]
     return iterate_weights(Path(model), keep)
 
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def init_random_weights_(model: torch.nn.Module, seed: int = 0,
                          checkpoint_dtype: torch.dtype | None = None) -> None:
     """Random weights drawn on the model's device (vLLM's load_format="dummy"): every matrix
@@ -92,8 +95,7 @@ def load_model(model: str | Path, cfg: ModelConfig, ops: KernelOps, dtype: torch
     finally:
         torch.set_default_dtype(default_dtype)
     if random_weights:
-        floats = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-        init_random_weights_(decoder, checkpoint_dtype=floats.get(cfg.torch_dtype))
+        init_random_weights_(decoder, checkpoint_dtype=DTYPES.get(cfg.torch_dtype))
     else:
         decoder.load_weights(checkpoint_weights(model, decoder.owns_weight))
     return decoder.eval()
