@@ -44,7 +44,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Multiply by a packed copy of the weight from now on. The dense weight stays: with
         tied embeddings it is the embedding's."""
         self.packed = pack_weight(self.weight, mode)
-        self.greedy_head = greedy_head_for(self.weight, self.vocab_size, mode, self.tp_size)
+        self.greedy_head = greedy_head_for(self.weight, self.vocab_size, mode, self.tp_size,
+                                           self.packed.data.dtype)
 
     def greedy(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor | None:
         """[N] int64: the argmax of each row of forward(hidden) (among the tokens `bitmask`
