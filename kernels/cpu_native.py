@@ -184,6 +184,13 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.flagserve_cpu.pack_linear_weight(weight)
 
 
+def pack_linear_weight_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks of a weight [N, K] (q [N, K] uint8, d and m [N, K / 32] float16) as
+    packed_linear reads them: [ceil(N / 32), K / 32, 640] uint8 (cpu_linear.cpp)."""
+    load_library()
+    return torch.ops.flagserve_cpu.pack_linear_weight_q4_1(q, d, m)
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) in float32 for x [M, K] float32 against

@@ -15,12 +15,16 @@ weight once, at load, into a layout its kernel reads as it is:
 Either way the outputs are the same sums in another order: float32 results differ from
 F.linear's by rounding only (about 1e-6 relative).
 
-A float32 weight whose values are all bfloat16 (a bf16 checkpoint run in float32) is packed
-in bfloat16 for the native kernel (FLAGSERVE_CPU_WEIGHTS=auto, the default; `float32` keeps
-every weight in float32): the kernel widens it exactly as it loads it, so the outputs are the
-same bits, and a step of a few rows, which streams every weight from memory once, reads half
-the bytes (faster up to tens of rows, a little slower at hundreds, where the widening
-competes with the FMAs: docs/performance.md, CPU).
+Two kinds of float32 weight are stored in fewer bytes for the native kernel, which widens
+them exactly as it reads them, so the outputs are the same bits, and a step of a few rows,
+which streams every weight from memory once, reads fewer bytes (FLAGSERVE_CPU_WEIGHTS=auto,
+the default; `float32` keeps every weight in float32):
+- values that are all bfloat16 (a bf16 checkpoint run in float32): packed in bfloat16, half
+  the bytes (faster up to tens of rows, a little slower at hundreds, where the widening
+  competes with the FMAs: docs/performance.md, CPU);
+- values that are a GGUF file's Q4_1 blocks (cpu_quantized.py): packed as those blocks too,
+  a sixth of the bytes, for steps of up to FEW_ROWS rows; more rows read the float32 packing,
+  as widening 4-bit values costs a prefill more than it saves.
 
 CpuMatmul modes (FLAGSERVE_CPU_MATMUL, default auto): `aten` is F.linear everywhere; `native`
 and `onednn` pack every linear layer and the LM head; `auto` is native for float32 where the
@@ -35,6 +39,7 @@ from typing import Literal
 
 import torch
 
+from flagserve.layers.cpu_quantized import q4_1_blocks
 from kernels import cpu_native
 from kernels.env import env_choice
 
@@ -45,6 +50,9 @@ WEIGHTS_ENV = "FLAGSERVE_CPU_WEIGHTS"
 # oneDNN picks its blocking for the row count it is told to expect; decode batches and the
 # LM head's sampled rows are in the tens (measured: docs/performance.md, CPU).
 BATCH_HINT = 64
+# Steps of up to this many rows read a Q4_1 packing where a weight has one: 4x faster than
+# float32 at 1 row, level at ~100, 0.9x at a 2,048-row prefill (docs/performance.md, CPU).
+FEW_ROWS = 64
 
 
 def matmul_mode(device: torch.device, dtype: torch.dtype, requested: str | None = None) -> CpuMatmul:
@@ -82,6 +90,9 @@ class PackedWeight:
     # onednn: an opaque mkldnn tensor
     data: torch.Tensor
     out_features: int
+    # native: the same weight as Q4_1 blocks (pack_linear_weight_q4_1), which steps of up to
+    # FEW_ROWS rows read instead of data; None where its values are not Q4_1 blocks
+    few: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.mode == "onednn":
@@ -94,19 +105,28 @@ class PackedWeight:
         (KernelOps.packed_silu_and_mul) in one pass."""
         return self._native(kernel, x, bias, self.out_features // 2)
 
+    def for_rows(self, rows: int) -> torch.Tensor:
+        """The native packing a step of `rows` rows reads."""
+        return self.few if self.few is not None and rows <= FEW_ROWS else self.data
+
     def _native(self, kernel, x: torch.Tensor, bias: torch.Tensor | None, width: int) -> torch.Tensor:
-        out = kernel(x.reshape(-1, x.shape[-1]), self.data, self.out_features, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        out = kernel(rows, self.for_rows(rows.shape[0]), self.out_features, bias)
         return out.view(*x.shape[:-1], width)
 
 
 def pack_weight(weight: torch.Tensor, mode: Literal["native", "onednn"]) -> PackedWeight:
     weight = weight.detach().contiguous()
-    if mode == "native":
-        if env_choice(WEIGHTS_ENV, CpuWeights, "auto") == "auto" and holds_bfloat16(weight):
+    if mode == "onednn":
+        return PackedWeight(mode, torch.ops.mkldnn._reorder_linear_weight(  # noqa: SLF001
+            weight, BATCH_HINT), weight.shape[0])
+    few = None
+    if env_choice(WEIGHTS_ENV, CpuWeights, "auto") == "auto":
+        if holds_bfloat16(weight):
             weight = weight.to(torch.bfloat16)  # exact: every value is one
-        return PackedWeight(mode, cpu_native.pack_linear_weight(weight), weight.shape[0])
-    return PackedWeight(mode, torch.ops.mkldnn._reorder_linear_weight(  # noqa: SLF001
-        weight, BATCH_HINT), weight.shape[0])
+        elif (blocks := q4_1_blocks(weight)) is not None:
+            few = cpu_native.pack_linear_weight_q4_1(*blocks)
+    return PackedWeight(mode, cpu_native.pack_linear_weight(weight), weight.shape[0], few)
 
 
 def holds_bfloat16(weight: torch.Tensor, rows: int = 4096) -> bool:

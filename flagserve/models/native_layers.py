@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from flagserve.layers.attention_metadata import AttentionMetadata
+from flagserve.layers.cpu_matmul import FEW_ROWS
 from kernels import cpu_native
 from kernels.env import Switch, env_choice
 
@@ -50,28 +51,32 @@ class NativeLayers:
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim,
                       layers[0].mlp.gate_up_proj.packed.out_features // 2)
         self.eps = eps
-        self._args: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
-        self._cache: torch.Tensor | None = None  # the first layer's K cache when _args was made
+        # per kind of step (few rows or not: PackedWeight.for_rows), made once
+        self._args: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
+        self._cache: torch.Tensor | None = None  # the first layer's K cache when _args were made
 
-    def _weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def _weights(self, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         attn0 = self.layers[0].self_attn.attn
-        if self._args is None or self._cache is not attn0.k_cache:  # caches bound (again)
+        if self._cache is not attn0.k_cache:  # caches bound (again)
+            self._args, self._cache = {}, attn0.k_cache
+        few = rows <= FEW_ROWS
+        if few not in self._args:
             weights, biases = [], []
             for layer in self.layers:
-                qkv, o, gate_up, down = _linears(layer)
+                qkv, o, gate_up, down = (lin.packed.for_rows(rows) for lin in _linears(layer))
                 cache = layer.self_attn.attn
-                weights += [layer.input_layernorm.weight, qkv.packed.data, o.packed.data,
-                            layer.post_attention_layernorm.weight, gate_up.packed.data,
-                            down.packed.data, cache.k_cache, cache.v_cache]
-                biases += [lin.bias for lin in (qkv, o, gate_up, down)]
-            self._args, self._cache = (weights, biases), attn0.k_cache
-        return self._args
+                weights += [layer.input_layernorm.weight, qkv, o,
+                            layer.post_attention_layernorm.weight, gate_up, down,
+                            cache.k_cache, cache.v_cache]
+                biases += [lin.bias for lin in _linears(layer)]
+            self._args[few] = (weights, biases)
+        return self._args[few]
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
                  residual: torch.Tensor | None, meta: AttentionMetadata,
                  keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """DecoderLayer.forward over all the layers; keep as there (the last layer's rows)."""
-        weights, biases = self._weights()
+        weights, biases = self._weights(hidden.shape[0])
         self_attn = self.layers[0].self_attn
         return torch.ops.flagserve_cpu.decoder_layers(
             hidden, residual, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,

@@ -13,6 +13,13 @@
 // float32 as it loads it (exact), so the products and sums are the same bits, and a decode
 // step, which streams its weights from memory once, reads half as many (docs/performance.md,
 // CPU).
+//
+// A weight whose values are a GGUF file's Q4_1 blocks (flagserve/layers/cpu_quantized.py) may
+// be packed as those blocks, 5 bits a weight: the kernel computes each weight from its block
+// to the bit as gguf's numpy does (load_q4_row), so again the outputs are the same. A step
+// of a few rows widens them in registers; more rows widen a tile once into a scratch tile that
+// every row block then reads as float32 (the caller keeps the float32 packing for prefills,
+// where widening per row chunk costs more than the bytes it saves).
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -22,6 +29,9 @@
 #include "cpu_silu.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -76,9 +86,87 @@ inline void load_row(const at::BFloat16* w, Vec* wv) {
 #endif
 }
 
+// GGUF's Q4_1: blocks of kQBlock k of one column, w = d * q + m (q in [0, 16), d and m
+// float16). Packed per tile and block: the tile's kTile d's, its kTile m's, then per k a row
+// of kTile / 2 bytes, byte i holding column i in its low nibble and column Vec::size() + i
+// in its high one.
+constexpr int64_t kQBlock = 32;
+constexpr int64_t kQHalves = kTile * int64_t(sizeof(at::Half));  // a float16 per column
+constexpr int64_t kQRow = kTile / 2;
+constexpr int64_t kQ4Bytes = 2 * kQHalves + kQBlock * kQRow;  // per tile and block
+// Up to this many rows widen a tile in registers, more widen it once into a float32 tile: the
+// widening costs as much as 4-5 rows' FMAs (docs/performance.md, CPU).
+constexpr int64_t kQ4RegisterRows = 5;
+// The one row block's prefetch runs this far ahead: a float32 tile's kAheadBytes per column.
+constexpr int64_t kQ4Ahead = kAheadBytes * kTile;
+struct Q4_1 {};  // the packed weight's element type where it holds Q4_1 blocks
+
+// kVecs vectors from kTile float16 values
+inline void load_halves(const uint8_t* p, Vec* v) {
+  for (int64_t j = 0; j < kVecs; ++j) {
+#if defined(CPU_CAPABILITY_AVX512)
+    v[j] = Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + j)));
+#elif defined(CPU_CAPABILITY_AVX2)
+    v[j] = Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + j)));
+#else
+    float wide[Vec::size()];
+    const at::Half* h = reinterpret_cast<const at::Half*>(p) + j * Vec::size();
+    for (int64_t i = 0; i < Vec::size(); ++i) wide[i] = static_cast<float>(h[i]);
+    v[j] = Vec::loadu(wide);
+#endif
+  }
+}
+
+// A Q4_1 tile row (kQRow bytes at q) as float32: d * q + m. gguf rounds the product and then
+// the sum; one FMA is the same number, as the product of a float16 (11 significant bits) and
+// a q of 4 bits is exact in float32.
+inline void load_q4_row(const uint8_t* q, const Vec* d, const Vec* m, Vec* wv) {
+  static_assert(kVecs == 2, "two columns a byte");
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  wv[0] = Vec(_mm512_fmadd_ps(d[0], lo, m[0]));
+  wv[1] = Vec(_mm512_fmadd_ps(d[1], hi, m[1]));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  wv[0] = Vec(_mm256_fmadd_ps(d[0], lo, m[0]));
+  wv[1] = Vec(_mm256_fmadd_ps(d[1], hi, m[1]));
+#else
+  float lo[Vec::size()], hi[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) lo[i] = q[i] & 15, hi[i] = q[i] >> 4;
+  wv[0] = at::vec::fmadd(d[0], Vec::loadu(lo), m[0]);
+  wv[1] = at::vec::fmadd(d[1], Vec::loadu(hi), m[1]);
+#endif
+}
+
 // How a row block prefetches while it runs (see above): its own tile kAheadRows k ahead
 // (a tile's first block), or `npf` cache lines of the next tile from `pf` (the others).
 enum class Prefetch { kAhead, kNextTile };
+
+// A row block's sums start at the tile's kTile bias values (init), or at zero where null.
+template <int64_t R>
+inline void start_sums(Vec (&acc)[R][kVecs], const float* init) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < kVecs; ++j)
+      acc[r][j] = init == nullptr ? Vec(0.f) : Vec::loadu(init + j * Vec::size());
+}
+
+// ... and leave as rows of `cols` outputs, ldo apart.
+template <int64_t R>
+inline void store_sums(Vec (&acc)[R][kVecs], float* out, int64_t ldo, int64_t cols) {
+  for (int64_t r = 0; r < R; ++r) {
+    if (cols == kTile) {
+      for (int64_t j = 0; j < kVecs; ++j) acc[r][j].store(out + r * ldo + j * Vec::size());
+      continue;
+    }
+    float row[kTile];  // the last tile of an N that is not a multiple of kTile
+    for (int64_t j = 0; j < kVecs; ++j) acc[r][j].store(row + j * Vec::size());
+    std::copy(row, row + cols, out + r * ldo);
+  }
+}
 
 // Rows [0, R) of one tile: out = init + x . w (init: the tile's kTile bias values, or null for
 // zeros), the sums in registers from the first k to the last.
@@ -86,9 +174,7 @@ template <int64_t R, Prefetch P, typename W>
 void tile_rows(const float* x, int64_t ldx, const W* w, int64_t K, const float* init,
                float* out, int64_t ldo, int64_t cols, const char* pf, int64_t npf) {
   Vec acc[R][kVecs];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < kVecs; ++j)
-      acc[r][j] = init == nullptr ? Vec(0.f) : Vec::loadu(init + j * Vec::size());
+  start_sums<R>(acc, init);
   const auto step = [&](int64_t k) __attribute__((always_inline)) {
     Vec wv[kVecs];
     load_row(w + k * kTile, wv);
@@ -119,25 +205,66 @@ void tile_rows(const float* x, int64_t ldx, const W* w, int64_t K, const float* 
     }
   }
   for (; k < K; ++k) step(k);
-  for (int64_t r = 0; r < R; ++r) {
-    if (cols == kTile) {
-      for (int64_t j = 0; j < kVecs; ++j) acc[r][j].store(out + r * ldo + j * Vec::size());
-      continue;
+  store_sums<R>(acc, out, ldo, cols);
+}
+
+// Rows [0, R) of one Q4_1 tile (the one row block of a step of few rows), each weight widened
+// in registers as it streams past; otherwise as tile_rows with Prefetch::kAhead.
+template <int64_t R>
+void q4_tile_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* init,
+                  float* out, int64_t ldo, int64_t cols) {
+  Vec acc[R][kVecs];
+  start_sums<R>(acc, init);
+  for (int64_t k0 = 0; k0 < K; k0 += kQBlock, w += kQ4Bytes) {
+    for (int64_t line = 0; line < kQ4Bytes; line += 64)
+      __builtin_prefetch(w + kQ4Ahead + line, 0, 3);
+    Vec d[kVecs], m[kVecs];
+    load_halves(w, d);
+    load_halves(w + kQHalves, m);
+    const uint8_t* q = w + 2 * kQHalves;
+    for (int64_t k = 0; k < kQBlock; ++k) {
+      Vec wv[kVecs];
+      load_q4_row(q + k * kQRow, d, m, wv);
+      for (int64_t r = 0; r < R; ++r) {
+        const Vec xb(x[r * ldx + k0 + k]);
+        for (int64_t j = 0; j < kVecs; ++j) acc[r][j] = at::vec::fmadd(xb, wv[j], acc[r][j]);
+      }
     }
-    float row[kTile];  // the last tile of an N that is not a multiple of kTile
-    for (int64_t j = 0; j < kVecs; ++j) acc[r][j].store(row + j * Vec::size());
-    std::copy(row, row + cols, out + r * ldo);
+  }
+  store_sums<R>(acc, out, ldo, cols);
+}
+
+// A Q4_1 tile widened to a float32 one ([K][kTile] at wide), for a step's many row blocks.
+void q4_widen(const uint8_t* w, int64_t K, float* wide) {
+  for (int64_t k0 = 0; k0 < K; k0 += kQBlock, w += kQ4Bytes) {
+    Vec d[kVecs], m[kVecs];
+    load_halves(w, d);
+    load_halves(w + kQHalves, m);
+    for (int64_t k = 0; k < kQBlock; ++k) {
+      Vec wv[kVecs];
+      load_q4_row(w + 2 * kQHalves + k * kQRow, d, m, wv);
+      for (int64_t j = 0; j < kVecs; ++j) wv[j].store(wide + (k0 + k) * kTile + j * Vec::size());
+    }
   }
 }
 
-template <Prefetch P, typename W, int64_t R = kRows>
+// f(std::integral_constant<int64_t, rows>()) for rows in [1, kRows]: a row block's kernel
+// compiled for its row count.
+template <int64_t R = kRows, typename F>
+void with_rows(int64_t rows, const F& f) {
+  if constexpr (R > 1) {
+    if (rows < R) return with_rows<R - 1>(rows, f);
+  }
+  f(std::integral_constant<int64_t, R>());
+}
+
+template <Prefetch P, typename W>
 void rows_of_tile(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t K,
                   const float* init, float* out, int64_t ldo, int64_t cols, const char* pf,
                   int64_t npf) {
-  if constexpr (R > 1) {
-    if (rows < R) return rows_of_tile<P, W, R - 1>(rows, x, ldx, w, K, init, out, ldo, cols, pf, npf);
-  }
-  tile_rows<R, P, W>(x, ldx, w, K, init, out, ldo, cols, pf, npf);
+  with_rows(rows, [&](auto r) {
+    tile_rows<decltype(r)::value, P, W>(x, ldx, w, K, init, out, ldo, cols, pf, npf);
+  });
 }
 
 // One tile's weights and bias (or null), and what its row blocks after the first prefetch:
@@ -161,6 +288,29 @@ struct Tile {
     const int64_t first = (b - 1) * share, npf = std::clamp<int64_t>(lines - first, 0, share);
     rows_of_tile<Prefetch::kNextTile>(rows, xb, ldx, w, K, init, out, ldo, cols,
                                       next + first * 64, npf);
+  }
+};
+
+// A Q4_1 tile, as Tile: a step of up to kQ4RegisterRows rows widens it in registers (its one
+// row block); more rows widen it once into `wide` ([K][kTile] floats), and every block reads
+// that as float32.
+struct Q4Tile {
+  const uint8_t* w;
+  Tile<float> widened;
+  bool in_registers;
+
+  Q4Tile(const uint8_t* w, const float* init, const void* next, int64_t blocks, int64_t lines,
+         int64_t K, float* wide, bool in_registers)
+      : w(w), widened(wide, init, next, blocks, lines), in_registers(in_registers) {
+    if (!in_registers) q4_widen(w, K, wide);
+  }
+
+  void block(int64_t b, int64_t rows, const float* xb, int64_t ldx, int64_t K, float* out,
+             int64_t ldo, int64_t cols) const {
+    if (!in_registers) return widened.block(b, rows, xb, ldx, K, out, ldo, cols);
+    with_rows(rows, [&](auto r) {
+      q4_tile_rows<decltype(r)::value>(xb, ldx, w, K, widened.init, out, ldo, cols);
+    });
   }
 };
 
@@ -189,11 +339,42 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed.contiguous().view({tiles, K, kTile});
 }
 
+// Q4_1 blocks (q [N, K] uint8 in [0, 16); d, m [N, K / kQBlock] float16) -> [ceil(N / kTile),
+// K / kQBlock, kQ4Bytes] uint8 in the layout above, the columns past N zero.
+at::Tensor pack_linear_weight_q4_1(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.size(1) % kQBlock == 0,
+              "q: [N, K] uint8, K a multiple of 32");
+  const int64_t N = q.size(0), K = q.size(1), KB = K / kQBlock, tiles = (N + kTile - 1) / kTile;
+  for (const at::Tensor* t : {&d, &m})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == KB &&
+                t->scalar_type() == at::kHalf, "d, m: [N, K / 32] float16");
+  const auto tiled = [&](const at::Tensor& t) {  // [N, ...] -> [tiles, kTile, ...], zero-padded
+    std::vector<int64_t> shape = t.sizes().vec();
+    shape[0] = tiles * kTile;
+    at::Tensor padded = at::zeros(shape, t.options());
+    padded.narrow(0, 0, N).copy_(t);
+    shape[0] = kTile;
+    shape.insert(shape.begin(), tiles);
+    return padded.view(shape);
+  };
+  const auto halves = [&](const at::Tensor& t) {  // [tiles, KB, kTile] float16, as bytes
+    return tiled(t).transpose(1, 2).contiguous().view(at::kByte);
+  };
+  // [tiles, kTile, KB, kQBlock] -> [tiles, KB, kQBlock, kTile]: a row of kTile per k
+  const at::Tensor rows = tiled(q.view({N, KB, kQBlock})).permute({0, 2, 3, 1});
+  const at::Tensor low = rows.narrow(3, 0, Vec::size()), high = rows.narrow(3, Vec::size(), Vec::size());
+  const at::Tensor bytes = at::bitwise_or(low, at::bitwise_left_shift(high, 4))
+                               .contiguous().view({tiles, KB, kQBlock * kQRow});
+  return at::cat({halves(d), halves(m), bytes}, 2);
+}
+
+enum class Storage { kFloat, kBFloat16, kQ4_1 };
+
 // The checks and shapes both linears share: x [M, K] float32 (rows contiguous) against a
-// pack_linear_weight of an [N, K] weight, and an optional [N] bias.
+// pack_linear_weight(_q4_1) of an [N, K] weight, and an optional [N] bias.
 struct Problem {
-  int64_t M, K, tiles, ldx, chunk, chunks, lines;
-  bool bf16;  // the packed weight's values are stored in bfloat16
+  int64_t M, K, tiles, ldx, chunk, chunks, tile_bytes, lines;
+  Storage storage;
   const float *x, *bias;
   const void* w;
   at::Tensor b;  // the contiguous bias that `bias` points into
@@ -202,32 +383,67 @@ struct Problem {
           const c10::optional<at::Tensor>& bias_opt) {
     TORCH_CHECK(xt.dim() == 2 && xt.stride(1) == 1 && xt.scalar_type() == at::kFloat,
                 "x: [M, K] float32, rows contiguous");
-    TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kTile &&
-                packed.size(1) == xt.size(1) && packed.size(0) == (N + kTile - 1) / kTile &&
-                (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
-                "packed: pack_linear_weight of an [N, K] weight");
+    M = xt.size(0), K = xt.size(1), tiles = packed.size(0), ldx = xt.stride(0);
+    storage = packed.scalar_type() == at::kByte       ? Storage::kQ4_1
+              : packed.scalar_type() == at::kBFloat16 ? Storage::kBFloat16
+                                                      : Storage::kFloat;
+    const bool q4 = storage == Storage::kQ4_1;
+    TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && tiles == (N + kTile - 1) / kTile &&
+                (q4 ? packed.size(1) * kQBlock == K && packed.size(2) == kQ4Bytes
+                    : packed.size(1) == K && packed.size(2) == kTile &&
+                      (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16)),
+                "packed: pack_linear_weight(_q4_1) of an [N, K] weight");
     if (bias_opt.has_value() && bias_opt->defined()) {
       TORCH_CHECK(bias_opt->dim() == 1 && bias_opt->size(0) == N &&
                   bias_opt->scalar_type() == at::kFloat, "bias: [N] float32");
       b = bias_opt->contiguous();
     }
-    M = xt.size(0), K = xt.size(1), tiles = packed.size(0), ldx = xt.stride(0);
     chunk = M == 0 ? 0 : chunk_rows(M, K);  // (chunk_rows would divide by zero)
     chunks = M == 0 ? 0 : (M + chunk - 1) / chunk;
-    lines = K * kTile * int64_t(packed.element_size()) / 64;  // of one tile
-    bf16 = packed.scalar_type() == at::kBFloat16;
+    tile_bytes = packed.size(1) * packed.size(2) * int64_t(packed.element_size());
+    lines = tile_bytes / 64;
     x = xt.data_ptr<float>(), w = packed.data_ptr();
     bias = b.defined() ? b.data_ptr<float>() : nullptr;
   }
 
-  template <typename W>
-  const W* tile(int64_t t) const { return static_cast<const W*>(w) + t * K * kTile; }
+  template <typename T>
+  const T* tile(int64_t t) const {
+    return reinterpret_cast<const T*>(static_cast<const char*>(w) + t * tile_bytes);
+  }
   int64_t blocks(int64_t m0, int64_t m1) const { return (m1 - m0 + kRows - 1) / kRows; }
   // A thread takes this many items at a time (see kGrainTiles); one block: no prefetch.
   int64_t grain(int64_t tiles_per_item) const {
     return std::min(M, chunk) > kRows ? std::max<int64_t>(kGrainTiles / tiles_per_item, 1) : 1;
   }
 };
+
+// f(W()) for the packed weight's element type W: float, at::BFloat16 or Q4_1
+template <typename F>
+void by_storage(Storage storage, const F& f) {
+  switch (storage) {
+    case Storage::kFloat: return f(float());
+    case Storage::kBFloat16: return f(at::BFloat16());
+    case Storage::kQ4_1: return f(Q4_1());
+  }
+}
+
+// This thread's float32 tile for widening Q4_1 ones into (slot: the gate's or the up's)
+float* wide_tile(int slot, int64_t K) {
+  thread_local std::vector<float> wide[2];
+  if (int64_t(wide[slot].size()) < K * kTile) wide[slot].resize(K * kTile);
+  return wide[slot].data();
+}
+
+// Tile t of p (its row blocks prefetching tile t + 1 where `next`)
+template <typename W>
+auto tile_of(const Problem& p, int64_t t, const float* init, bool next, int64_t blocks, int slot) {
+  const void* after = next ? p.tile<char>(t + 1) : nullptr;
+  if constexpr (std::is_same_v<W, Q4_1>)
+    return Q4Tile(p.tile<uint8_t>(t), init, after, blocks, p.lines, p.K, wide_tile(slot, p.K),
+                  blocks == 1 && p.M <= kQ4RegisterRows);
+  else
+    return Tile<W>(p.tile<W>(t), init, after, blocks, p.lines);
+}
 
 template <typename W>
 void linear(const Problem& p, int64_t N, float* op) {
@@ -247,7 +463,7 @@ void linear(const Problem& p, int64_t N, float* op) {
       }
       const int64_t blocks = p.blocks(m0, m1);
       const bool next = item + 1 < end && t + 1 < p.tiles && blocks > 1;
-      const Tile<W> tile(p.tile<W>(t), init, next ? p.tile<W>(t + 1) : nullptr, blocks, p.lines);
+      const auto tile = tile_of<W>(p, t, init, next, blocks, 0);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t m = m0 + b * kRows;
         tile.block(b, std::min(kRows, m1 - m), p.x + m * p.ldx, p.ldx, p.K, op + m * N + t * kTile,
@@ -270,8 +486,8 @@ void linear_silu(const Problem& p, int64_t I, float* op) {
       const bool next = item + 1 < end && t + 1 < pairs && blocks > 1;
       const float* gate_bias = p.bias == nullptr ? nullptr : p.bias + t * kTile;
       const float* up_bias = p.bias == nullptr ? nullptr : p.bias + u * kTile;
-      const Tile<W> gate(p.tile<W>(t), gate_bias, next ? p.tile<W>(t + 1) : nullptr, blocks, p.lines);
-      const Tile<W> up(p.tile<W>(u), up_bias, next ? p.tile<W>(u + 1) : nullptr, blocks, p.lines);
+      const auto gate = tile_of<W>(p, t, gate_bias, next, blocks, 0);
+      const auto up = tile_of<W>(p, u, up_bias, next, blocks, 1);
       alignas(64) float g[kRows * kTile], v[kRows * kTile];
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t m = m0 + b * kRows, rows = std::min(kRows, m1 - m);
@@ -293,7 +509,7 @@ at::Tensor cpu_ops::packed_linear(const at::Tensor& x, const at::Tensor& packed,
                                  const c10::optional<at::Tensor>& bias) {
   const Problem p(x, packed, N, bias);
   at::Tensor out = at::empty({p.M, N}, x.options());
-  (p.bf16 ? linear<at::BFloat16> : linear<float>)(p, N, out.data_ptr<float>());
+  by_storage(p.storage, [&](auto w) { linear<decltype(w)>(p, N, out.data_ptr<float>()); });
   return out;
 }
 
@@ -305,18 +521,20 @@ at::Tensor cpu_ops::packed_linear_silu(const at::Tensor& x, const at::Tensor& pa
     return silu_and_mul(packed_linear(x, packed, N, bias));
   const Problem p(x, packed, N, bias);
   at::Tensor out = at::empty({p.M, I}, x.options());
-  (p.bf16 ? linear_silu<at::BFloat16> : linear_silu<float>)(p, I, out.data_ptr<float>());
+  by_storage(p.storage, [&](auto w) { linear_silu<decltype(w)>(p, I, out.data_ptr<float>()); });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("pack_linear_weight_q4_1(Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("packed_linear_silu(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flagserve_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("pack_linear_weight_q4_1", &pack_linear_weight_q4_1);
   m.impl("packed_linear", &cpu_ops::packed_linear);
   m.impl("packed_linear_silu", &cpu_ops::packed_linear_silu);
 }
