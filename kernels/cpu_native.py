@@ -186,9 +186,16 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_linear_weight_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Q4_1 blocks of a weight [N, K] (q [N, K] uint8, d and m [N, K / 32] float16) as
-    packed_linear reads them: [ceil(N / 32), K / 32, 640] uint8 (cpu_linear.cpp)."""
+    packed_linear reads them: [ceil(N / 32), K / 32, 640] uint8 (cpu_gguf_blocks.h)."""
     load_library()
     return torch.ops.flagserve_cpu.pack_linear_weight_q4_1(q, d, m)
+
+
+def pack_linear_weight_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks of a weight [N, K] (q [N, K] int8, d [N, K / 32] float16) as packed_linear
+    reads them: [ceil(N / 32), K / 32, 1088] uint8 (cpu_gguf_blocks.h)."""
+    load_library()
+    return torch.ops.flagserve_cpu.pack_linear_weight_q8_0(q, d)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,

@@ -91,12 +91,12 @@ def test_built_for_a_native_float32_head_on_one_rank(monkeypatch):
     assert (head is not None) == (bf16_hardware() is not None)
     if head is not None:  # every step with AMX, small ones with AVX512-BF16 alone
         assert head.takes(1) and head.takes(1000) == (bf16_hardware() == "amx")
-    # a head of bf16 values stored in bf16: the float32 kernel reads it at the same bytes
+    # a head the float32 kernel reads in bf16's bytes or fewer (bf16 values, GGUF blocks)
     for hardware, kept in (("amx", True), ("avx512_bf16", False)):
         monkeypatch.setattr(greedy_head, "bf16_hardware", lambda hardware=hardware: hardware)
-        assert (greedy_head_for(weight, weight.shape[0], "native", 1, torch.bfloat16)
+        assert (greedy_head_for(weight, weight.shape[0], "native", 1, compact=True)
                 is not None) == kept
-        assert greedy_head_for(weight, weight.shape[0], "native", 1, torch.float32) is not None
+        assert greedy_head_for(weight, weight.shape[0], "native", 1) is not None
     monkeypatch.setenv(GREEDY_HEAD_ENV, "yes")
     with pytest.raises(ValueError, match=GREEDY_HEAD_ENV):
         greedy_head_for(weight, 100, "native", 1)

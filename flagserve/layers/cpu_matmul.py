@@ -22,9 +22,9 @@ the default; `float32` keeps every weight in float32):
 - values that are all bfloat16 (a bf16 checkpoint run in float32): packed in bfloat16, half
   the bytes (faster up to tens of rows, a little slower at hundreds, where the widening
   competes with the FMAs: docs/performance.md, CPU);
-- values that are a GGUF file's Q4_1 blocks (cpu_quantized.py): packed as those blocks too,
-  a sixth of the bytes, for steps of up to FEW_ROWS rows; more rows read the float32 packing,
-  as widening 4-bit values costs a prefill more than it saves.
+- values that are a GGUF file's Q4_1 or Q8_0 blocks (cpu_quantized.py): packed as those
+  blocks too, a sixth or a quarter of the bytes, for steps of up to FEW_ROWS rows; more rows
+  read the float32 packing, as widening the blocks costs a prefill more than it saves.
 
 CpuMatmul modes (FLAGSERVE_CPU_MATMUL, default auto): `aten` is F.linear everywhere; `native`
 and `onednn` pack every linear layer and the LM head; `auto` is native for float32 where the
@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from flagserve.layers.cpu_quantized import q4_1_blocks
+from flagserve.layers.cpu_quantized import packed_blocks
 from kernels import cpu_native
 from kernels.env import env_choice
 
@@ -50,8 +50,9 @@ WEIGHTS_ENV = "FLAGSERVE_CPU_WEIGHTS"
 # oneDNN picks its blocking for the row count it is told to expect; decode batches and the
 # LM head's sampled rows are in the tens (measured: docs/performance.md, CPU).
 BATCH_HINT = 64
-# Steps of up to this many rows read a Q4_1 packing where a weight has one: 4x faster than
-# float32 at 1 row, level at ~100, 0.9x at a 2,048-row prefill (docs/performance.md, CPU).
+# Steps of up to this many rows read a GGUF block packing where a weight has one: Q4_1 4x
+# faster than float32 at 1 row, level at ~100, 0.9x at a 2,048-row prefill
+# (docs/performance.md, CPU).
 FEW_ROWS = 64
 
 
@@ -90,8 +91,8 @@ class PackedWeight:
     # onednn: an opaque mkldnn tensor
     data: torch.Tensor
     out_features: int
-    # native: the same weight as Q4_1 blocks (pack_linear_weight_q4_1), which steps of up to
-    # FEW_ROWS rows read instead of data; None where its values are not Q4_1 blocks
+    # native: the same weight as GGUF blocks (cpu_quantized.py), which steps of up to FEW_ROWS
+    # rows read instead of data; None where its values are no such blocks
     few: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -104,6 +105,11 @@ class PackedWeight:
         """silu_and_mul of self(x, bias) for a native [gate; up] weight, by `kernel`
         (KernelOps.packed_silu_and_mul) in one pass."""
         return self._native(kernel, x, bias, self.out_features // 2)
+
+    @property
+    def compact(self) -> bool:
+        """Whether the native kernel reads this weight in bf16's bytes or fewer."""
+        return self.few is not None or self.data.dtype == torch.bfloat16
 
     def for_rows(self, rows: int) -> torch.Tensor:
         """The native packing a step of `rows` rows reads."""
@@ -124,8 +130,8 @@ def pack_weight(weight: torch.Tensor, mode: Literal["native", "onednn"]) -> Pack
     if env_choice(WEIGHTS_ENV, CpuWeights, "auto") == "auto":
         if holds_bfloat16(weight):
             weight = weight.to(torch.bfloat16)  # exact: every value is one
-        elif (blocks := q4_1_blocks(weight)) is not None:
-            few = cpu_native.pack_linear_weight_q4_1(*blocks)
+        else:
+            few = packed_blocks(weight)
     return PackedWeight(mode, cpu_native.pack_linear_weight(weight), weight.shape[0], few)
 
 

@@ -1,37 +1,65 @@
-"""A float32 weight recognised as GGUF Q4_1 blocks, for the native linear kernel on CPU.
+"""Float32 weights recognised as GGUF Q4_1 or Q8_0 blocks, for the native linear on CPU.
 
 A GGUF checkpoint's quantized weights arrive dequantized to float32 (models/gguf.py), 32 bits
-for every 5 the file stored. A step of a few rows streams every weight from memory once, so
-where a weight's values are exactly those of Q4_1 blocks the native kernel can read the blocks
-and compute each value as gguf's numpy does: the same bits at a sixth of the bytes
-(kernels/csrc/cpu_linear.cpp). The blocks are found from the values, whatever the loader did
-to the rows on the way (q/k un-permuted, q|k|v and gate|up fused), and every one is checked
-by recomputing it: a weight with one block that does not reproduce stays float32.
+for every 5 (Q4_1) or 8.5 (Q8_0) the file stored. A step of a few rows streams every weight
+from memory once, so where a weight's values are exactly those of such blocks the native
+kernel reads the blocks and computes each value as gguf's numpy does: the same bits in a
+sixth or a quarter of the bytes (kernels/csrc/cpu_gguf_blocks.h). The blocks are found from
+the values, whatever the loader did to the rows on the way (q/k un-permuted, q|k|v and
+gate|up fused), and every block is checked by recomputing it: a weight with one block that
+does not reproduce stays float32.
 
-Q4_1 stores, per 32 consecutive values of a row, q in [0, 16) and float16 d and m; a value is
-(d * q, rounded to float32) + m, rounded. llama.cpp's and gguf's quantizers give the block's
-smallest value q = 0 and its largest q = 15, so m is the block's minimum and d is near
-(max - m) / 15; a few float16 neighbours of that cover its rounding.
+Per 32 consecutive values of a row a block stores integers q and float16 scales: Q4_1 a value
+(d * q) + m with q in [0, 16), Q8_0 d * q with q an int8. llama.cpp's and gguf's quantizers
+give a Q4_1 block's smallest value q = 0 and its largest q = 15, and a Q8_0 block's largest
+magnitude |q| = 127, so m is the block's minimum and d is near (max - m) / 15 or max |v| / 127;
+a few float16 neighbours of that estimate cover its rounding.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-BLOCK = 32  # values of a row per Q4_1 block
-LEVELS = 15  # the largest q
-# d's float16 neighbours tried, in this order, where (max - m) / 15 rounds to another d
+from kernels import cpu_native
+
+BLOCK = 32  # values of a row per block
+# d's float16 neighbours tried, in this order, where the estimate rounds to another d
 _D_STEPS = (0, -1, 1, -2, 2)
 
 
-def q4_1_blocks(weight: torch.Tensor, rows: int = 4096
+@dataclass(frozen=True)
+class _Format:
+    low: int  # q's range
+    high: int
+    top: int  # q of the block's largest value (Q4_1) or magnitude (Q8_0)
+    offset: bool  # values are d * q + m (Q4_1), else d * q (Q8_0)
+    dtype: torch.dtype  # of q
+
+
+Q4_1 = _Format(0, 15, 15, True, torch.uint8)
+Q8_0 = _Format(-128, 127, 127, False, torch.int8)
+
+
+def packed_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight (float32 [N, K]) packed for the native linear as the Q4_1 (else Q8_0) blocks its
+    values are, bit for bit; None where they are neither."""
+    if (found := find_blocks(weight, Q4_1)) is not None:
+        return cpu_native.pack_linear_weight_q4_1(*found)
+    if (found := find_blocks(weight, Q8_0)) is not None:
+        return cpu_native.pack_linear_weight_q8_0(*found[:2])
+    return None
+
+
+def find_blocks(weight: torch.Tensor, fmt: _Format, rows: int = 4096
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(q [N, K] uint8, d [N, K / 32] float16, m [N, K / 32] float16) whose Q4_1 values are
-    weight's, bit for bit; None where weight (float32 [N, K]) holds other values."""
+    """(q [N, K], d [N, K / 32] float16, m [N, K / 32] float16: zero for Q8_0) whose values in
+    `fmt` are weight's, bit for bit; None where weight holds other values."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
     parts = []
     for part in weight.split(rows):
-        found = _blocks(part.reshape(-1, BLOCK))
+        found = _blocks(part.reshape(-1, BLOCK), fmt)
         if found is None:
             return None
         parts.append(found)
@@ -40,41 +68,46 @@ def q4_1_blocks(weight: torch.Tensor, rows: int = 4096
     return q.view(n, -1), d.view(n, -1), m.view(n, -1)
 
 
-def _blocks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """q [B, 32] uint8, d [B] and m [B] float16 for blocks of values [B, 32], or None."""
-    m = values.amin(1)
-    m16 = m.half()
-    if not torch.equal(m16.float().view(torch.int32), m.view(torch.int32)):
-        return None  # a minimum that no float16 m holds (or not a number)
-    estimate = ((values.amax(1) - m) / LEVELS).half()
-    d16 = torch.zeros_like(m16)
-    q = torch.zeros(values.shape, dtype=torch.uint8)
+def _blocks(values: torch.Tensor, fmt: _Format
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """q [B, 32], d [B] and m [B] float16 for blocks of values [B, 32], or None."""
+    if fmt.offset:
+        m = values.amin(1)
+        if not torch.equal(m.half().float().view(torch.int32), m.view(torch.int32)):
+            return None  # a minimum that no float16 m holds (or not a number)
+        estimate = ((values.amax(1) - m) / fmt.top).half()
+    else:
+        m = values.new_zeros(len(values))
+        estimate = (values.abs().amax(1) / fmt.top).half()
+    d16 = torch.zeros_like(estimate)
+    q = torch.zeros(values.shape, dtype=fmt.dtype)
     left = torch.arange(len(values))  # blocks not reproduced yet
     for step in _D_STEPS:
         guess = _float16_step(estimate[left], step)
-        levels, ok = _reproduce(values[left], guess, m[left])
-        d16[left[ok]], q[left[ok]] = guess[ok], levels[ok]
+        levels, ok = _reproduce(values[left], guess, m[left], fmt)
+        d16[left[ok]], q[left[ok]] = guess[ok], levels[ok].to(fmt.dtype)
         left = left[~ok]
         if len(left) == 0:
-            return q, d16, m16
+            return q, d16, m.half()
     return None
 
 
 def _float16_step(d: torch.Tensor, steps: int) -> torch.Tensor:
-    """d moved `steps` float16 values up (the positive ones: d >= 0)."""
+    """d (>= 0) moved `steps` float16 values up."""
     if steps == 0:
         return d
     return (d.view(torch.int16) + steps).clamp(min=0).view(torch.float16)
 
 
-def _reproduce(values: torch.Tensor, d16: torch.Tensor, m: torch.Tensor
+def _reproduce(values: torch.Tensor, d16: torch.Tensor, m: torch.Tensor, fmt: _Format
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, ok): the levels nearest each value for d16 and m, and which blocks they reproduce."""
     d = d16.float()[:, None]
-    safe = torch.where(d == 0, torch.ones_like(d), d)
-    q = ((values - m[:, None]) / safe).round().clamp(0, LEVELS)
-    q = torch.where(d == 0, torch.zeros_like(q), q)
-    product = d * q  # two operations, two roundings, as gguf's numpy and the kernel
-    again = product + m[:, None]
+    zero = d == 0
+    q = ((values - m[:, None]) / torch.where(zero, 1.0, d)).round().clamp(fmt.low, fmt.high)
+    q = torch.where(zero, 0.0, q)
+    again = d * q  # exact in float32 (11 significant bits times at most 8)
+    if fmt.offset:
+        again = again + m[:, None]  # rounded once, as gguf's numpy and the kernel
     same = (again.view(torch.int32) == values.view(torch.int32)).all(1)
-    return q.to(torch.uint8), same & torch.isfinite(d[:, 0])
+    return q, same & torch.isfinite(d[:, 0])

@@ -45,7 +45,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         tied embeddings it is the embedding's."""
         self.packed = pack_weight(self.weight, mode)
         self.greedy_head = greedy_head_for(self.weight, self.vocab_size, mode, self.tp_size,
-                                           self.packed.data.dtype)
+                                           self.packed.compact)
 
     def greedy(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor | None:
         """[N] int64: the argmax of each row of forward(hidden) (among the tokens `bitmask`

@@ -8,9 +8,9 @@ float32 kernel, on one tensor-parallel rank. FLAGSERVE_CPU_GREEDY_HEAD:
 - auto (default): where the CPU multiplies bfloat16 in hardware and it was measured faster
   (docs/performance.md, CPU): with AMX in every greedy step; with AVX512-BF16 alone in steps
   of up to AVX512_BF16_MAX_ROWS rows (beyond, oneDNN's bf16 matmul there is slower than the
-  float32 kernel) and only for a head the float32 kernel reads in float32 (one of bf16
-  values, stored in bf16 by cpu_matmul.py, it reads at the same bytes, exactly, and was
-  faster); and only for heads of AUTO_MIN_WEIGHTS weights or more (a smaller head stays in
+  float32 kernel) and only for a head the float32 kernel reads in float32 (one it reads in
+  fewer bytes, exactly: bf16 values stored in bf16, GGUF Q8_0 blocks as blocks, by
+  cpu_matmul.py, was faster); and only for heads of AUTO_MIN_WEIGHTS weights or more (a smaller head stays in
   cache, where the float32 kernel is as fast). Emulated bfloat16 is slower still;
 - on: wherever the native kernels run (tests), bfloat16 by oneDNN or else by F.linear;
 - off: every step computes its float32 logits.
@@ -92,15 +92,15 @@ class GreedyHead:
 
 
 def greedy_head_for(weight: torch.Tensor, vocab_size: int, matmul: str, tp_size: int,
-                    stored: torch.dtype = torch.float32) -> GreedyHead | None:
-    """A GreedyHead for an LM head packed for the `matmul` kernel (its packed copy in
-    `stored`), where it pays (module docstring)."""
+                    compact: bool = False) -> GreedyHead | None:
+    """A GreedyHead for an LM head packed for the `matmul` kernel (`compact`: a packing the
+    float32 kernel reads in bf16's bytes or fewer), where it pays (module docstring)."""
     if matmul != "native" or tp_size != 1 or weight.dtype != torch.float32:
         return None
     mode = greedy_head_mode()
     if mode == "on":
         return GreedyHead.build(weight, vocab_size)
     hardware = bf16_hardware() if mode == "auto" and weight.numel() >= AUTO_MIN_WEIGHTS else None
-    if hardware is None or (hardware == "avx512_bf16" and stored == torch.bfloat16):
+    if hardware is None or (hardware == "avx512_bf16" and compact):
         return None
     return GreedyHead.build(weight, vocab_size, None if hardware == "amx" else AVX512_BF16_MAX_ROWS)

@@ -14,9 +14,10 @@
 // step, which streams its weights from memory once, reads half as many (docs/performance.md,
 // CPU).
 //
-// A weight whose values are a GGUF file's Q4_1 blocks (flagserve/layers/cpu_quantized.py) may
-// be packed as those blocks, 5 bits a weight: the kernel computes each weight from its block
-// to the bit as gguf's numpy does (load_q4_row), so again the outputs are the same. A step
+// A weight whose values are a GGUF file's Q4_1 or Q8_0 blocks (flagserve/layers/
+// cpu_quantized.py) may be packed as those blocks, 5 or 8.5 bits a weight: the kernel computes
+// each weight from its block to the bit as gguf's numpy does (cpu_gguf_blocks.h), so again the
+// outputs are the same. A step
 // of a few rows widens them in registers; more rows widen a tile once into a scratch tile that
 // every row block then reads as float32 (the caller keeps the float32 packing for prefills,
 // where widening per row chunk costs more than the bytes it saves).
@@ -24,9 +25,11 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "cpu_gguf_blocks.h"
 #include "cpu_ops.h"
 #include "cpu_pool.h"
 #include "cpu_silu.h"
+#include "cpu_tile.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -35,14 +38,14 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using cpu_tile::kTile;
+using cpu_tile::kVecs;
+using cpu_tile::Vec;
 // A tile row is two registers, and kRows rows of it are summed at once: with AVX-512 12 x 32
 // (24 accumulators, 2 weight vectors and a broadcast of 32 registers), with AVX2 the classic
 // 6 x 16 (12 + 2 + 1 of 16). More rows per block read the tile from L2 fewer times (12 beat 8
 // from 64 rows up; 10 and 14 did no better); AVX2 had 2 x 32 before, 8 accumulators for 6
 // loads per k, slower than 6 x 16 at every row count (docs/performance.md, CPU).
-constexpr int64_t kVecs = 2;
-constexpr int64_t kTile = kVecs * Vec::size();  // output columns per packed tile: 32 or 16
 constexpr int64_t kRows = Vec::size() == 16 ? 12 : 6;
 // Rows of x in chunks of about kChunkBytes (chunk_rows): a chunk stays in L2 while every
 // tile's weights stream past it (prefetched, below), where all of a prefill's rows were read
@@ -86,61 +89,12 @@ inline void load_row(const at::BFloat16* w, Vec* wv) {
 #endif
 }
 
-// GGUF's Q4_1: blocks of kQBlock k of one column, w = d * q + m (q in [0, 16), d and m
-// float16). Packed per tile and block: the tile's kTile d's, its kTile m's, then per k a row
-// of kTile / 2 bytes, byte i holding column i in its low nibble and column Vec::size() + i
-// in its high one.
-constexpr int64_t kQBlock = 32;
-constexpr int64_t kQHalves = kTile * int64_t(sizeof(at::Half));  // a float16 per column
-constexpr int64_t kQRow = kTile / 2;
-constexpr int64_t kQ4Bytes = 2 * kQHalves + kQBlock * kQRow;  // per tile and block
-// Up to this many rows widen a tile in registers, more widen it once into a float32 tile: the
-// widening costs as much as 4-5 rows' FMAs (docs/performance.md, CPU).
-constexpr int64_t kQ4RegisterRows = 5;
-// The one row block's prefetch runs this far ahead: a float32 tile's kAheadBytes per column.
-constexpr int64_t kQ4Ahead = kAheadBytes * kTile;
-struct Q4_1 {};  // the packed weight's element type where it holds Q4_1 blocks
-
-// kVecs vectors from kTile float16 values
-inline void load_halves(const uint8_t* p, Vec* v) {
-  for (int64_t j = 0; j < kVecs; ++j) {
-#if defined(CPU_CAPABILITY_AVX512)
-    v[j] = Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + j)));
-#elif defined(CPU_CAPABILITY_AVX2)
-    v[j] = Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + j)));
-#else
-    float wide[Vec::size()];
-    const at::Half* h = reinterpret_cast<const at::Half*>(p) + j * Vec::size();
-    for (int64_t i = 0; i < Vec::size(); ++i) wide[i] = static_cast<float>(h[i]);
-    v[j] = Vec::loadu(wide);
-#endif
-  }
-}
-
-// A Q4_1 tile row (kQRow bytes at q) as float32: d * q + m. gguf rounds the product and then
-// the sum; one FMA is the same number, as the product of a float16 (11 significant bits) and
-// a q of 4 bits is exact in float32.
-inline void load_q4_row(const uint8_t* q, const Vec* d, const Vec* m, Vec* wv) {
-  static_assert(kVecs == 2, "two columns a byte");
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-  wv[0] = Vec(_mm512_fmadd_ps(d[0], lo, m[0]));
-  wv[1] = Vec(_mm512_fmadd_ps(d[1], hi, m[1]));
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-  wv[0] = Vec(_mm256_fmadd_ps(d[0], lo, m[0]));
-  wv[1] = Vec(_mm256_fmadd_ps(d[1], hi, m[1]));
-#else
-  float lo[Vec::size()], hi[Vec::size()];
-  for (int64_t i = 0; i < Vec::size(); ++i) lo[i] = q[i] & 15, hi[i] = q[i] >> 4;
-  wv[0] = at::vec::fmadd(d[0], Vec::loadu(lo), m[0]);
-  wv[1] = at::vec::fmadd(d[1], Vec::loadu(hi), m[1]);
-#endif
-}
+// A step of up to kQRegisterRows rows widens GGUF blocks in registers, more widen a tile once
+// into a float32 tile: the widening costs as much as 4-5 rows' FMAs (docs/performance.md, CPU).
+constexpr int64_t kQRegisterRows = 5;
+// The one row block's prefetch runs this far ahead in blocks: a float32 tile's kAheadBytes per
+// column.
+constexpr int64_t kQAhead = kAheadBytes * kTile;
 
 // How a row block prefetches while it runs (see above): its own tile kAheadRows k ahead
 // (a tile's first block), or `npf` cache lines of the next tile from `pf` (the others).
@@ -208,23 +162,24 @@ void tile_rows(const float* x, int64_t ldx, const W* w, int64_t K, const float* 
   store_sums<R>(acc, out, ldo, cols);
 }
 
-// Rows [0, R) of one Q4_1 tile (the one row block of a step of few rows), each weight widened
-// in registers as it streams past; otherwise as tile_rows with Prefetch::kAhead.
-template <int64_t R>
-void q4_tile_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* init,
-                  float* out, int64_t ldo, int64_t cols) {
+// Rows [0, R) of one tile of GGUF blocks in format F (the one row block of a step of few
+// rows), each weight widened in registers as it streams past; otherwise as tile_rows with
+// Prefetch::kAhead.
+template <int64_t R, typename F>
+void blocks_tile_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* init,
+                      float* out, int64_t ldo, int64_t cols) {
+  using namespace gguf_blocks;
   Vec acc[R][kVecs];
   start_sums<R>(acc, init);
-  for (int64_t k0 = 0; k0 < K; k0 += kQBlock, w += kQ4Bytes) {
-    for (int64_t line = 0; line < kQ4Bytes; line += 64)
-      __builtin_prefetch(w + kQ4Ahead + line, 0, 3);
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock, w += kBytes<F>) {
+    for (int64_t line = 0; line < kBytes<F>; line += 64)
+      __builtin_prefetch(w + kQAhead + line, 0, 3);
     Vec d[kVecs], m[kVecs];
-    load_halves(w, d);
-    load_halves(w + kQHalves, m);
-    const uint8_t* q = w + 2 * kQHalves;
-    for (int64_t k = 0; k < kQBlock; ++k) {
+    load_scales<F>(w, d, m);
+    const uint8_t* q = w + F::kScales * kHalves;
+    for (int64_t k = 0; k < kBlock; ++k) {
       Vec wv[kVecs];
-      load_q4_row(q + k * kQRow, d, m, wv);
+      F::row(q + k * F::kRow, d, m, wv);
       for (int64_t r = 0; r < R; ++r) {
         const Vec xb(x[r * ldx + k0 + k]);
         for (int64_t j = 0; j < kVecs; ++j) acc[r][j] = at::vec::fmadd(xb, wv[j], acc[r][j]);
@@ -234,22 +189,22 @@ void q4_tile_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t K, cons
   store_sums<R>(acc, out, ldo, cols);
 }
 
-// A Q4_1 tile widened to a float32 one ([K][kTile] at wide), for a step's many row blocks.
-void q4_widen(const uint8_t* w, int64_t K, float* wide) {
-  for (int64_t k0 = 0; k0 < K; k0 += kQBlock, w += kQ4Bytes) {
+// A tile of GGUF blocks in format F widened to a float32 one ([K][kTile] at wide), for a
+// step's many row blocks.
+template <typename F>
+void widen_blocks(const uint8_t* w, int64_t K, float* wide) {
+  using namespace gguf_blocks;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock, w += kBytes<F>) {
     Vec d[kVecs], m[kVecs];
-    load_halves(w, d);
-    load_halves(w + kQHalves, m);
-    for (int64_t k = 0; k < kQBlock; ++k) {
+    load_scales<F>(w, d, m);
+    for (int64_t k = 0; k < kBlock; ++k) {
       Vec wv[kVecs];
-      load_q4_row(w + 2 * kQHalves + k * kQRow, d, m, wv);
+      F::row(w + F::kScales * kHalves + k * F::kRow, d, m, wv);
       for (int64_t j = 0; j < kVecs; ++j) wv[j].store(wide + (k0 + k) * kTile + j * Vec::size());
     }
   }
 }
 
-// f(std::integral_constant<int64_t, rows>()) for rows in [1, kRows]: a row block's kernel
-// compiled for its row count.
 template <int64_t R = kRows, typename F>
 void with_rows(int64_t rows, const F& f) {
   if constexpr (R > 1) {
@@ -291,25 +246,26 @@ struct Tile {
   }
 };
 
-// A Q4_1 tile, as Tile: a step of up to kQ4RegisterRows rows widens it in registers (its one
-// row block); more rows widen it once into `wide` ([K][kTile] floats), and every block reads
-// that as float32.
-struct Q4Tile {
+// A tile of GGUF blocks in format F, as Tile: a step of up to kQRegisterRows rows widens it in
+// registers (its one row block); more rows widen it once into `wide` ([K][kTile] floats),
+// and every block reads that as float32.
+template <typename F>
+struct BlocksTile {
   const uint8_t* w;
   Tile<float> widened;
   bool in_registers;
 
-  Q4Tile(const uint8_t* w, const float* init, const void* next, int64_t blocks, int64_t lines,
-         int64_t K, float* wide, bool in_registers)
+  BlocksTile(const uint8_t* w, const float* init, const void* next, int64_t blocks,
+             int64_t lines, int64_t K, float* wide, bool in_registers)
       : w(w), widened(wide, init, next, blocks, lines), in_registers(in_registers) {
-    if (!in_registers) q4_widen(w, K, wide);
+    if (!in_registers) widen_blocks<F>(w, K, wide);
   }
 
   void block(int64_t b, int64_t rows, const float* xb, int64_t ldx, int64_t K, float* out,
              int64_t ldo, int64_t cols) const {
     if (!in_registers) return widened.block(b, rows, xb, ldx, K, out, ldo, cols);
     with_rows(rows, [&](auto r) {
-      q4_tile_rows<decltype(r)::value>(xb, ldx, w, K, widened.init, out, ldo, cols);
+      blocks_tile_rows<decltype(r)::value, F>(xb, ldx, w, K, widened.init, out, ldo, cols);
     });
   }
 };
@@ -339,39 +295,10 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed.contiguous().view({tiles, K, kTile});
 }
 
-// Q4_1 blocks (q [N, K] uint8 in [0, 16); d, m [N, K / kQBlock] float16) -> [ceil(N / kTile),
-// K / kQBlock, kQ4Bytes] uint8 in the layout above, the columns past N zero.
-at::Tensor pack_linear_weight_q4_1(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.size(1) % kQBlock == 0,
-              "q: [N, K] uint8, K a multiple of 32");
-  const int64_t N = q.size(0), K = q.size(1), KB = K / kQBlock, tiles = (N + kTile - 1) / kTile;
-  for (const at::Tensor* t : {&d, &m})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == KB &&
-                t->scalar_type() == at::kHalf, "d, m: [N, K / 32] float16");
-  const auto tiled = [&](const at::Tensor& t) {  // [N, ...] -> [tiles, kTile, ...], zero-padded
-    std::vector<int64_t> shape = t.sizes().vec();
-    shape[0] = tiles * kTile;
-    at::Tensor padded = at::zeros(shape, t.options());
-    padded.narrow(0, 0, N).copy_(t);
-    shape[0] = kTile;
-    shape.insert(shape.begin(), tiles);
-    return padded.view(shape);
-  };
-  const auto halves = [&](const at::Tensor& t) {  // [tiles, KB, kTile] float16, as bytes
-    return tiled(t).transpose(1, 2).contiguous().view(at::kByte);
-  };
-  // [tiles, kTile, KB, kQBlock] -> [tiles, KB, kQBlock, kTile]: a row of kTile per k
-  const at::Tensor rows = tiled(q.view({N, KB, kQBlock})).permute({0, 2, 3, 1});
-  const at::Tensor low = rows.narrow(3, 0, Vec::size()), high = rows.narrow(3, Vec::size(), Vec::size());
-  const at::Tensor bytes = at::bitwise_or(low, at::bitwise_left_shift(high, 4))
-                               .contiguous().view({tiles, KB, kQBlock * kQRow});
-  return at::cat({halves(d), halves(m), bytes}, 2);
-}
-
-enum class Storage { kFloat, kBFloat16, kQ4_1 };
+enum class Storage { kFloat, kBFloat16, kQ4_1, kQ8_0 };
 
 // The checks and shapes both linears share: x [M, K] float32 (rows contiguous) against a
-// pack_linear_weight(_q4_1) of an [N, K] weight, and an optional [N] bias.
+// pack_linear_weight(_q4_1 | _q8_0) of an [N, K] weight, and an optional [N] bias.
 struct Problem {
   int64_t M, K, tiles, ldx, chunk, chunks, tile_bytes, lines;
   Storage storage;
@@ -384,15 +311,18 @@ struct Problem {
     TORCH_CHECK(xt.dim() == 2 && xt.stride(1) == 1 && xt.scalar_type() == at::kFloat,
                 "x: [M, K] float32, rows contiguous");
     M = xt.size(0), K = xt.size(1), tiles = packed.size(0), ldx = xt.stride(0);
-    storage = packed.scalar_type() == at::kByte       ? Storage::kQ4_1
-              : packed.scalar_type() == at::kBFloat16 ? Storage::kBFloat16
-                                                      : Storage::kFloat;
-    const bool q4 = storage == Storage::kQ4_1;
+    using gguf_blocks::kBlock, gguf_blocks::kBytes;
+    const bool blocks = packed.scalar_type() == at::kByte && packed.dim() == 3;
+    storage = blocks && packed.size(2) == kBytes<gguf_blocks::Q4_1>   ? Storage::kQ4_1
+              : blocks && packed.size(2) == kBytes<gguf_blocks::Q8_0> ? Storage::kQ8_0
+              : packed.scalar_type() == at::kBFloat16                  ? Storage::kBFloat16
+                                                                       : Storage::kFloat;
     TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && tiles == (N + kTile - 1) / kTile &&
-                (q4 ? packed.size(1) * kQBlock == K && packed.size(2) == kQ4Bytes
-                    : packed.size(1) == K && packed.size(2) == kTile &&
-                      (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16)),
-                "packed: pack_linear_weight(_q4_1) of an [N, K] weight");
+                (blocks ? packed.size(1) * kBlock == K && storage != Storage::kFloat
+                        : packed.size(1) == K && packed.size(2) == kTile &&
+                          (packed.scalar_type() == at::kFloat ||
+                           packed.scalar_type() == at::kBFloat16)),
+                "packed: pack_linear_weight(_q4_1 | _q8_0) of an [N, K] weight");
     if (bias_opt.has_value() && bias_opt->defined()) {
       TORCH_CHECK(bias_opt->dim() == 1 && bias_opt->size(0) == N &&
                   bias_opt->scalar_type() == at::kFloat, "bias: [N] float32");
@@ -417,17 +347,18 @@ struct Problem {
   }
 };
 
-// f(W()) for the packed weight's element type W: float, at::BFloat16 or Q4_1
+// f(W()) for the packed weight's element type W: float, at::BFloat16, or a GGUF block format
 template <typename F>
 void by_storage(Storage storage, const F& f) {
   switch (storage) {
     case Storage::kFloat: return f(float());
     case Storage::kBFloat16: return f(at::BFloat16());
-    case Storage::kQ4_1: return f(Q4_1());
+    case Storage::kQ4_1: return f(gguf_blocks::Q4_1());
+    case Storage::kQ8_0: return f(gguf_blocks::Q8_0());
   }
 }
 
-// This thread's float32 tile for widening Q4_1 ones into (slot: the gate's or the up's)
+// This thread's float32 tile to widen GGUF blocks into (slot: the gate's or the up's)
 float* wide_tile(int slot, int64_t K) {
   thread_local std::vector<float> wide[2];
   if (int64_t(wide[slot].size()) < K * kTile) wide[slot].resize(K * kTile);
@@ -438,11 +369,11 @@ float* wide_tile(int slot, int64_t K) {
 template <typename W>
 auto tile_of(const Problem& p, int64_t t, const float* init, bool next, int64_t blocks, int slot) {
   const void* after = next ? p.tile<char>(t + 1) : nullptr;
-  if constexpr (std::is_same_v<W, Q4_1>)
-    return Q4Tile(p.tile<uint8_t>(t), init, after, blocks, p.lines, p.K, wide_tile(slot, p.K),
-                  blocks == 1 && p.M <= kQ4RegisterRows);
-  else
+  if constexpr (std::is_same_v<W, float> || std::is_same_v<W, at::BFloat16>)
     return Tile<W>(p.tile<W>(t), init, after, blocks, p.lines);
+  else
+    return BlocksTile<W>(p.tile<uint8_t>(t), init, after, blocks, p.lines, p.K,
+                         wide_tile(slot, p.K), blocks == 1 && p.M <= kQRegisterRows);
 }
 
 template <typename W>
@@ -527,14 +458,12 @@ at::Tensor cpu_ops::packed_linear_silu(const at::Tensor& x, const at::Tensor& pa
 
 TORCH_LIBRARY_FRAGMENT(flagserve_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("pack_linear_weight_q4_1(Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("packed_linear_silu(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flagserve_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
-  m.impl("pack_linear_weight_q4_1", &pack_linear_weight_q4_1);
   m.impl("packed_linear", &cpu_ops::packed_linear);
   m.impl("packed_linear_silu", &cpu_ops::packed_linear_silu);
 }
