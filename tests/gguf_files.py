@@ -1,7 +1,8 @@
 """GGUF files for the tests, written from the tiny HF models the way llama.cpp's
 convert_hf_to_gguf writes them: its metadata keys, gguf's own tensor-name map, q/k rows
 permuted for the "llama" architecture (Llama and Mistral), Llama-3 rope scaling as a
-rope_freqs tensor, 1-D tensors in F32 and the rest in the chosen type.
+rope_freqs tensor, 1-D tensors in F32 and the rest in the chosen type (Q4_1: the token
+embedding in Q8_0, as in SmolLM2's file).
 
 Independent of flagserve.models.gguf on purpose: the reader is tested against a writer that
 shares none of its tables.
@@ -17,9 +18,9 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-WeightType = Literal["F32", "F16", "Q8_0"]
+WeightType = Literal["F32", "F16", "Q8_0", "Q4_1"]
 _FILE_TYPES = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-               "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+               "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}
 
 
 def write_gguf(hf_dir: str | Path, out: str | Path, weight_type: WeightType = "F32") -> Path:
@@ -97,7 +98,8 @@ def _tensors(hf_dir: Path, cfg: dict, arch: str, weight_type: WeightType):
         elif arch == "llama" and ".k_proj." in hf_name:
             values = _permute(values, cfg["num_key_value_heads"])
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        yield name, *_encoded(values, weight_type)
+        embedding_q4_1 = weight_type == "Q4_1" and name == "token_embd.weight"
+        yield name, *_encoded(values, "Q8_0" if embedding_q4_1 else weight_type)
 
 
 def _encoded(values: np.ndarray, weight_type: WeightType):
@@ -105,7 +107,8 @@ def _encoded(values: np.ndarray, weight_type: WeightType):
         return values, None
     if weight_type == "F16":
         return values.astype(np.float16), None
-    return gguf.quantize(values, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    qtype = gguf.GGMLQuantizationType[weight_type]
+    return gguf.quantize(values, qtype), qtype
 
 
 def _llama3_rope_factors(cfg: dict) -> np.ndarray | None:

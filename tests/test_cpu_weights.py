@@ -1,20 +1,25 @@
-"""Weights of bfloat16 values stored in bfloat16 on CPU (layers/cpu_matmul.py): a bf16
-checkpoint runs in float32 on CPU (`dtype: auto`) and gives the same tokens and logprobs, bit
-for bit, with its linear layers and LM head packed in bfloat16 (FLAGSERVE_CPU_WEIGHTS=auto) as
-in float32; through the native layers (Llama) and the Python ones (Qwen3's q/k norm); weights
-with any other value stay float32."""
+"""Weights stored in fewer bytes on CPU (layers/cpu_matmul.py): a bf16 checkpoint runs in
+float32 on CPU (`dtype: auto`) and gives the same tokens and logprobs, bit for bit, with its
+linear layers and LM head packed in bfloat16 (FLAGSERVE_CPU_WEIGHTS=auto) as in float32; a
+GGUF file of Q4_1 and Q8_0 blocks the same with its few-row steps reading the blocks; through
+the native layers (Llama) and the Python ones (Qwen3's q/k norm); weights with any other
+value stay float32."""
 import json
 import shutil
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from flagserve import LLM, SamplingParams
-from flagserve.layers.cpu_matmul import WEIGHTS_ENV, holds_bfloat16, pack_weight
+from flagserve.layers.cpu_matmul import FEW_ROWS, WEIGHTS_ENV, holds_bfloat16, pack_weight
+from flagserve.layers.cpu_quantized import Q4_1, Q8_0, find_blocks
 from flagserve.models.config import auto_dtype, load_model_config
 from kernels import cpu_native
+from tests.gguf_files import write_gguf
 
 needs_native = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.available(),
                                   reason="the native kernels are CPU-only and need a C++ compiler")
@@ -32,16 +37,24 @@ def _bf16_checkpoint(src: str, out: Path) -> str:
     return str(out)
 
 
-def _run(path, monkeypatch, weights):
+def _run(path, monkeypatch, weights, long_prompt=False):
+    """(prompt logprobs, tokens, logprobs) of a greedy and a sampled request, and how the
+    packed weights are stored: {(dtype, bytes per block of the few-row packing or None)}.
+    long_prompt: a prompt of more than FEW_ROWS tokens in one step (the float32 packing)."""
     monkeypatch.setenv(WEIGHTS_ENV, weights)
-    llm = LLM(path, device="cpu", max_num_seqs=4, max_num_batched_tokens=24)  # dtype auto
+    batched = 2 * FEW_ROWS if long_prompt else 24
+    llm = LLM(path, device="cpu", max_num_seqs=4, max_num_batched_tokens=batched)  # dtype auto
     model = llm.llm_engine.executor.runner.model
     assert {p.dtype for p in model.parameters() if p.numel()} == {torch.float32}
-    stored = {m.packed.data.dtype for m in model.modules() if getattr(m, "packed", None) is not None}
+    stored = {(m.packed.data.dtype, None if m.packed.few is None else m.packed.few.shape[-1])
+              for m in model.modules() if getattr(m, "packed", None) is not None}
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2,
                              prompt_logprobs=1),
               SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=1)]
-    prompts = ["The weather today is", " ".join(["a long prompt"] * 12)]  # chunked, beside decodes
+    words = 40 if long_prompt else 12
+    prompts = ["The weather today is", " ".join(["a long prompt"] * words)]  # chunked, or not
+    if long_prompt:
+        assert len(llm.get_tokenizer().encode(prompts[1])) > FEW_ROWS
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], stored
 
@@ -56,8 +69,23 @@ def test_a_bf16_checkpoint_in_float32_gives_the_same_bits(tiny_model_factory, mo
     assert (auto_dtype(cfg, on_gpu=False), auto_dtype(cfg, on_gpu=True)) == ("float32", "bfloat16")
     narrow, narrow_stored = _run(path, monkeypatch, "auto")
     wide, wide_stored = _run(path, monkeypatch, "float32")
-    assert narrow_stored == {torch.bfloat16} and wide_stored == {torch.float32}
+    assert narrow_stored == {(torch.bfloat16, None)} and wide_stored == {(torch.float32, None)}
     assert narrow == wide
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # its own LM head; tied to the embedding
+def test_a_q4_1_gguf_gives_the_same_bits(tiny_model_factory, monkeypatch, tmp_path, arch):
+    """SmolLM2's kind of file: linear layers in Q4_1, the token embedding in Q8_0. Every
+    linear and the LM head get a packing of their blocks, which the decodes read; the long
+    prompt's step reads the float32 packing."""
+    monkeypatch.setenv("FLAGSERVE_CACHE", str(tmp_path / "cache"))  # the GGUF tokenizer's
+    path = str(write_gguf(tiny_model_factory(arch), tmp_path / "tiny.gguf", "Q4_1"))
+    blocks, blocks_stored = _run(path, monkeypatch, "auto", long_prompt=True)
+    wide, wide_stored = _run(path, monkeypatch, "float32", long_prompt=True)
+    head = {(torch.float32, 1088)} if arch == "qwen2" else set()  # untied: a Q4_1 head
+    assert blocks_stored == {(torch.float32, 640)} | head and wide_stored == {(torch.float32, None)}
+    assert blocks == wide
 
 
 @needs_native
@@ -76,3 +104,32 @@ def test_only_weights_of_bfloat16_values_are_stored_so(monkeypatch):
     monkeypatch.setenv(WEIGHTS_ENV, "bf16")
     with pytest.raises(ValueError, match=WEIGHTS_ENV):
         pack_weight(weight, "native")
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0])
+def test_gguf_blocks_are_found_only_where_every_one_reproduces(fmt, monkeypatch):
+    """Blocks from gguf's own quantizer are found whatever rows the loader moved (and at any
+    row split); one value a float32 ulp off, a row width that is no whole number of blocks, or
+    plain float32 weights leave the weight in float32."""
+    qtype = gguf.GGMLQuantizationType.Q4_1 if fmt is Q4_1 else gguf.GGMLQuantizationType.Q8_0
+    values = np.random.default_rng(0).standard_normal((70, 96)).astype(np.float32) * 0.05
+    values[3] = 0  # a block of one value
+    weight = torch.from_numpy(gguf.dequantize(gguf.quantize(values, qtype), qtype).copy())
+    weight = weight[torch.randperm(70, generator=torch.Generator().manual_seed(0))]
+    for rows in (4096, 9):
+        q, d, m = find_blocks(weight, fmt, rows=rows)
+        assert q.dtype == fmt.dtype and d.shape == m.shape == (70, 3)
+        again = d.float().repeat_interleave(32, 1) * q.float()
+        if fmt is Q4_1:
+            again = again + m.float().repeat_interleave(32, 1)
+        assert torch.equal(again.view(torch.int32), weight.view(torch.int32))
+    off = weight.clone()
+    off[69, 95] = torch.nextafter(off[69, 95], torch.tensor(float("inf")))
+    assert find_blocks(off, fmt) is None and find_blocks(weight[:, :80], fmt) is None
+    assert find_blocks(torch.randn(70, 96), fmt) is None
+    monkeypatch.setenv(WEIGHTS_ENV, "auto")
+    assert pack_weight(weight, "native").few.shape[-1] == (640 if fmt is Q4_1 else 1088)
+    assert pack_weight(off, "native").few is None
+    monkeypatch.setenv(WEIGHTS_ENV, "float32")
+    assert pack_weight(weight, "native").few is None

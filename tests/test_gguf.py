@@ -1,6 +1,7 @@
 """GGUF as a model format, on the tiny models of every architecture written as GGUF files in
-F32, F16 and Q8_0 (tests/gguf_files.py): metadata read as the HF config, greedy tokens equal to
-transformers on the same dequantized weights, logprobs within 1e-3, clear errors on bad files."""
+F32, F16, Q8_0 and Q4_1 (tests/gguf_files.py): metadata read as the HF config, greedy tokens
+equal to transformers on the same dequantized weights, logprobs within 1e-3, clear errors on
+bad files."""
 from __future__ import annotations
 
 import shutil
@@ -66,7 +67,7 @@ def transformers_on_gguf(hf_dir: str, path: str):
                                                 dtype=torch.float32, **kwargs)
 
 
-@pytest.mark.parametrize("weight_type", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("weight_type", ["F32", "F16", "Q8_0", "Q4_1"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_and_logprobs_match_transformers(arch, weight_type, gguf_model):
     hf_dir, path = gguf_model(arch, weight_type)

@@ -45,6 +45,7 @@ from flagserve.bench.throughput_roofline import (
 )
 from flagserve.bench.throughput_shapes import Shape, write_shape
 from flagserve.models.config import load_model_config, transformers_location
+from flagserve.models.gguf import gguf_weight_bytes
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -293,10 +294,12 @@ def roofline(args: argparse.Namespace, cfg, work: Workload, steps: int, seconds:
     bandwidth = args.bandwidth_gbs or measure_bandwidth_gbs(device)
     peak = args.peak_tflops or measure_peak_tflops(device, getattr(torch, args.dtype))
     prompt_lens = [len(p) for p in work.prompts]
-    # No more bytes per weight than the checkpoint holds (a bf16 one run in float32 has bf16
-    # values, which the CPU kernels store as such: layers/cpu_matmul.py).
-    stored = elem if cfg.checkpoint_format == "gguf" else DTYPE_BYTES.get(cfg.torch_dtype, elem)
-    weights = weight_bytes(cfg, min(elem, stored))
+    # No more bytes than the checkpoint holds (a bf16 one run in float32 has bf16 values, a
+    # GGUF file quantized blocks, which the CPU kernels store as such: layers/cpu_matmul.py).
+    if cfg.checkpoint_format == "gguf":
+        weights = min(weight_bytes(cfg, elem), gguf_weight_bytes(args.model))
+    else:
+        weights = weight_bytes(cfg, min(elem, DTYPE_BYTES.get(cfg.torch_dtype, elem)))
     kv = kv_bytes(prompt_lens, work.max_tokens, kv_bytes_per_token(cfg, elem))
     flops = matmul_flops(cfg, prompt_lens, work.max_tokens)
     memory = floor_seconds(steps, weights, kv, bandwidth)

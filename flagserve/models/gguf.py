@@ -126,6 +126,12 @@ def gguf_param_count(path: str | Path) -> int:
     return sum(math.prod(t.shape) for name, t in f.tensors.items() if name != ROPE_FREQS)
 
 
+def gguf_weight_bytes(path: str | Path) -> int:
+    """The file's weights in bytes, as stored (quantized blocks at their own size)."""
+    f = read_gguf(path)
+    return sum(t.nbytes for name, t in f.tensors.items() if name != ROPE_FREQS)
+
+
 def hf_name(gguf_name: str) -> str:
     """llama.cpp's tensor name -> the HF checkpoint name DecoderForCausalLM.load_weights takes."""
     stem, _, kind = gguf_name.rpartition(".")

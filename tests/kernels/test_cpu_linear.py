@@ -2,6 +2,8 @@
 row block size (the kernel's register blocks and their tails), inputs long enough to be split
 into row chunks, output widths that are not a multiple of its column tile (32 with AVX-512,
 16 with AVX2), bias, strided inputs, and a result as close to the exact sum as F.linear's own."""
+import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,3 +130,61 @@ def test_bfloat16_packing_gives_the_float32_bits(rows, out_features, threads):
                                cpu_native.packed_linear_silu(x, wide, out_features, bias))
     finally:
         torch.set_num_threads(before)
+
+
+def _gguf_blocks(values: np.ndarray, qtype: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """gguf's quantization of values [N, K]: (its dequantized float32 weight, q and the scales
+    parsed from its raw blocks as pack_linear_weight_q4_1 / _q8_0 take them)."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quantize(values, kind)
+    n, k = values.shape
+    weight = torch.from_numpy(gguf.dequantize(raw, kind).reshape(n, k).copy())
+    blocks = torch.from_numpy(raw.reshape(n, k // 32, -1).copy())  # [N, K / 32, bytes]
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+    if qtype == "Q8_0":
+        return weight, [blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k), d]
+    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+    nibbles = blocks[..., 4:]  # byte i: value i low, value 16 + i high
+    q = torch.cat([nibbles & 15, nibbles >> 4], -1).reshape(n, k)
+    return weight, [q, d, m]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 12, 13, 100, 300])
+@pytest.mark.parametrize("out_features", [17, 64, 100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gguf_block_packing_gives_the_float32_bits(qtype, rows, out_features, threads):
+    """A weight of GGUF blocks packed as its blocks computes every value as gguf's dequantize
+    does: both linears give every bit of the float32 packing's, whether a step widens the
+    blocks in registers (up to 5 rows) or into a float32 tile (one row block or many, row
+    chunks at 300 x 1,024), in partial tiles, with bias."""
+    rng = np.random.default_rng(rows * 100 + out_features)
+    values = rng.standard_normal((out_features, 1024)).astype(np.float32) * 0.05
+    weight, blocks = _gguf_blocks(values, qtype)
+    pack = cpu_native.pack_linear_weight_q4_1 if qtype == "Q4_1" else cpu_native.pack_linear_weight_q8_0
+    narrow, wide = pack(*blocks), cpu_native.pack_linear_weight(weight)
+    assert narrow.dtype == torch.uint8 and narrow.shape[:2] == (wide.shape[0], 1024 // 32)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 1024, generator=gen), torch.randn(out_features, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            assert torch.equal(cpu_native.packed_linear(x, narrow, out_features, b),
+                               cpu_native.packed_linear(x, wide, out_features, b))
+        if out_features % 2 == 0:
+            assert torch.equal(cpu_native.packed_linear_silu(x, narrow, out_features, bias),
+                               cpu_native.packed_linear_silu(x, wide, out_features, bias))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_gguf_block_packing_refuses_what_it_cannot_read():
+    weight, (q, d, m) = _gguf_blocks(np.ones((40, 64), np.float32), "Q4_1")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_native.pack_linear_weight_q4_1(q[:, :48], d, m)
+    with pytest.raises(RuntimeError, match="float16"):
+        cpu_native.pack_linear_weight_q4_1(q, d.float(), m)
+    packed = cpu_native.pack_linear_weight_q4_1(q, d, m)
+    with pytest.raises(RuntimeError, match="packed"):
+        cpu_native.packed_linear(torch.randn(2, 32), packed, 40, None)  # K differs
