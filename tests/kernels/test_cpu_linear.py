@@ -106,6 +106,22 @@ def test_refuses_what_it_cannot_read():
         cpu_native.packed_linear(torch.randn(2, 16), packed, 40, torch.randn(39))
 
 
+def _same_bits(x, narrow, wide, out_features, bias, threads):
+    """Both linears on `threads` threads, with and without bias: every bit of the narrow
+    packing's outputs is the wide (float32) packing's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            assert torch.equal(cpu_native.packed_linear(x, narrow, out_features, b),
+                               cpu_native.packed_linear(x, wide, out_features, b))
+        if out_features % 2 == 0:
+            assert torch.equal(cpu_native.packed_linear_silu(x, narrow, out_features, bias),
+                               cpu_native.packed_linear_silu(x, wide, out_features, bias))
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 100, 300])
 @pytest.mark.parametrize("out_features", [17, 64, 100])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -119,17 +135,7 @@ def test_bfloat16_packing_gives_the_float32_bits(rows, out_features, threads):
     bias = torch.randn(out_features, generator=gen)
     wide, narrow = (cpu_native.pack_linear_weight(w) for w in (weight.float(), weight))
     assert narrow.dtype == torch.bfloat16 and narrow.shape == wide.shape
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for b in (None, bias):
-            assert torch.equal(cpu_native.packed_linear(x, narrow, out_features, b),
-                               cpu_native.packed_linear(x, wide, out_features, b))
-        if out_features % 2 == 0:
-            assert torch.equal(cpu_native.packed_linear_silu(x, narrow, out_features, bias),
-                               cpu_native.packed_linear_silu(x, wide, out_features, bias))
-    finally:
-        torch.set_num_threads(before)
+    _same_bits(x, narrow, wide, out_features, bias, threads)
 
 
 def _gguf_blocks(values: np.ndarray, qtype: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -166,17 +172,7 @@ def test_gguf_block_packing_gives_the_float32_bits(qtype, rows, out_features, th
     assert narrow.dtype == torch.uint8 and narrow.shape[:2] == (wide.shape[0], 1024 // 32)
     gen = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, 1024, generator=gen), torch.randn(out_features, generator=gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for b in (None, bias):
-            assert torch.equal(cpu_native.packed_linear(x, narrow, out_features, b),
-                               cpu_native.packed_linear(x, wide, out_features, b))
-        if out_features % 2 == 0:
-            assert torch.equal(cpu_native.packed_linear_silu(x, narrow, out_features, bias),
-                               cpu_native.packed_linear_silu(x, wide, out_features, bias))
-    finally:
-        torch.set_num_threads(before)
+    _same_bits(x, narrow, wide, out_features, bias, threads)
 
 
 def test_gguf_block_packing_refuses_what_it_cannot_read():
