@@ -44,10 +44,8 @@ from flagserve.bench.throughput_roofline import (
     weight_bytes,
 )
 from flagserve.bench.throughput_shapes import Shape, write_shape
-from flagserve.models.config import load_model_config, transformers_location
+from flagserve.models.config import DTYPE_BYTES, load_model_config, transformers_location
 from flagserve.models.gguf import gguf_weight_bytes
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass

@@ -49,6 +49,9 @@ def transformers_location(path: str | Path) -> tuple[str, dict[str, str]]:
     return str(file.parent), {"gguf_file": file.name}
 
 
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # per value, by the names configs use
+
+
 def auto_dtype(cfg: ModelConfig, on_gpu: bool) -> str:
     """What `dtype: auto` means. On a GPU, an HF checkpoint's own torch_dtype; a GGUF file
     has none worth keeping (it is dequantized anyway): bfloat16. On CPU float32, whatever the

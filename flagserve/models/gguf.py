@@ -9,7 +9,7 @@ package to float32. No torch here: config validation reads GGUF configs too.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +126,12 @@ def gguf_param_count(path: str | Path) -> int:
     return sum(math.prod(t.shape) for name, t in f.tensors.items() if name != ROPE_FREQS)
 
 
-def gguf_weight_bytes(path: str | Path) -> int:
-    """The file's weights in bytes, as stored (quantized blocks at their own size)."""
+def gguf_weight_bytes(path: str | Path, kinds: Collection[str] | None = None) -> int:
+    """The file's weights in bytes, as stored (quantized blocks at their own size); of the
+    tensors stored as `kinds` (GGML type names: "Q4_1", ...) only, where given."""
     f = read_gguf(path)
-    return sum(t.nbytes for name, t in f.tensors.items() if name != ROPE_FREQS)
+    return sum(t.nbytes for name, t in f.tensors.items()
+               if name != ROPE_FREQS and (kinds is None or t.ggml_type.name in kinds))
 
 
 def hf_name(gguf_name: str) -> str:
