@@ -39,14 +39,15 @@ def _bf16_checkpoint(src: str, out: Path) -> str:
 
 def _run(path, monkeypatch, weights, long_prompt=False):
     """(prompt logprobs, tokens, logprobs) of a greedy and a sampled request, and how the
-    packed weights are stored: {(dtype, bytes per block of the few-row packing or None)}.
+    packed weights are stored: {(dtype, the few-row packing's bytes per column and block of
+    32 weights, or None)}.
     long_prompt: a prompt of more than FEW_ROWS tokens in one step (the float32 packing)."""
     monkeypatch.setenv(WEIGHTS_ENV, weights)
     batched = 2 * FEW_ROWS if long_prompt else 24
     llm = LLM(path, device="cpu", max_num_seqs=4, max_num_batched_tokens=batched)  # dtype auto
     model = llm.llm_engine.executor.runner.model
     assert {p.dtype for p in model.parameters() if p.numel()} == {torch.float32}
-    stored = {(m.packed.data.dtype, None if m.packed.few is None else m.packed.few.shape[-1])
+    stored = {(m.packed.data.dtype, _block_bytes(m.packed))
               for m in model.modules() if getattr(m, "packed", None) is not None}
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2,
                              prompt_logprobs=1),
@@ -57,6 +58,12 @@ def _run(path, monkeypatch, weights, long_prompt=False):
         assert len(llm.get_tokenizer().encode(prompts[1])) > FEW_ROWS
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], stored
+
+
+def _block_bytes(packed) -> int | None:
+    """Bytes per column and block of 32 weights of the few-row packing: 20 for Q4_1 (two
+    float16 scales, 16 bytes of nibbles), 34 for Q8_0 (a scale, 32 int8); None for none."""
+    return None if packed.few is None else packed.few.shape[-1] // packed.data.shape[-1]
 
 
 @needs_native
@@ -83,8 +90,8 @@ def test_a_q4_1_gguf_gives_the_same_bits(tiny_model_factory, monkeypatch, tmp_pa
     path = str(write_gguf(tiny_model_factory(arch), tmp_path / "tiny.gguf", "Q4_1"))
     blocks, blocks_stored = _run(path, monkeypatch, "auto", long_prompt=True)
     wide, wide_stored = _run(path, monkeypatch, "float32", long_prompt=True)
-    head = {(torch.float32, 1088)} if arch == "qwen2" else set()  # untied: a Q4_1 head
-    assert blocks_stored == {(torch.float32, 640)} | head and wide_stored == {(torch.float32, None)}
+    head = {(torch.float32, 34)} if arch == "qwen2" else set()  # untied: a Q4_1 head
+    assert blocks_stored == {(torch.float32, 20)} | head and wide_stored == {(torch.float32, None)}
     assert blocks == wide
 
 
@@ -129,7 +136,7 @@ def test_gguf_blocks_are_found_only_where_every_one_reproduces(fmt, monkeypatch)
     assert find_blocks(off, fmt) is None and find_blocks(weight[:, :80], fmt) is None
     assert find_blocks(torch.randn(70, 96), fmt) is None
     monkeypatch.setenv(WEIGHTS_ENV, "auto")
-    assert pack_weight(weight, "native").few.shape[-1] == (640 if fmt is Q4_1 else 1088)
+    assert _block_bytes(pack_weight(weight, "native")) == (20 if fmt is Q4_1 else 34)
     assert pack_weight(off, "native").few is None
     monkeypatch.setenv(WEIGHTS_ENV, "float32")
     assert pack_weight(weight, "native").few is None

@@ -21,18 +21,18 @@ using cpu_tile::Vec;
 constexpr int64_t kBlock = 32;  // k per block
 constexpr int64_t kHalves = kTile * int64_t(sizeof(at::Half));  // a float16 per column
 
-// kVecs vectors from kTile float16 values at p
-inline void load_halves(const uint8_t* p, Vec* v) {
+// kTile float16 values at p as float32 at out
+inline void load_halves(const uint8_t* p, float* out) {
   for (int64_t j = 0; j < kVecs; ++j) {
 #if defined(CPU_CAPABILITY_AVX512)
-    v[j] = Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + j)));
+    _mm512_storeu_ps(out + j * Vec::size(),
+                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + j)));
 #elif defined(CPU_CAPABILITY_AVX2)
-    v[j] = Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + j)));
+    _mm256_storeu_ps(out + j * Vec::size(),
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + j)));
 #else
-    float wide[Vec::size()];
     const at::Half* h = reinterpret_cast<const at::Half*>(p) + j * Vec::size();
-    for (int64_t i = 0; i < Vec::size(); ++i) wide[i] = static_cast<float>(h[i]);
-    v[j] = Vec::loadu(wide);
+    for (int64_t i = 0; i < Vec::size(); ++i) out[j * Vec::size() + i] = static_cast<float>(h[i]);
 #endif
   }
 }
@@ -66,10 +66,11 @@ inline Vec load_bytes(const uint8_t* p, int shift = 0, int mask = 255) {
 // is the same number, as a float16 (11 significant bits) times 4 bits is exact in float32.
 struct Q4_1 {
   static constexpr int64_t kScales = 2, kRow = kTile / 2;
-  static void row(const uint8_t* q, const Vec* d, const Vec* m, Vec* wv) {
+  static void row(const uint8_t* q, const float* d, const float* m, Vec* wv) {
     static_assert(kVecs == 2, "two columns a byte");
-    wv[0] = at::vec::fmadd(d[0], load_bytes<false>(q, 0, 15), m[0]);
-    wv[1] = at::vec::fmadd(d[1], load_bytes<false>(q, 4), m[1]);
+    const int64_t V = Vec::size();
+    wv[0] = at::vec::fmadd(Vec::loadu(d), load_bytes<false>(q, 0, 15), Vec::loadu(m));
+    wv[1] = at::vec::fmadd(Vec::loadu(d + V), load_bytes<false>(q, 4), Vec::loadu(m + V));
   }
 };
 
@@ -77,17 +78,18 @@ struct Q4_1 {
 // columns in order.
 struct Q8_0 {
   static constexpr int64_t kScales = 1, kRow = kTile;
-  static void row(const uint8_t* q, const Vec* d, const Vec*, Vec* wv) {
-    for (int64_t j = 0; j < kVecs; ++j) wv[j] = d[j] * load_bytes<true>(q + j * Vec::size());
+  static void row(const uint8_t* q, const float* d, const float*, Vec* wv) {
+    for (int64_t j = 0; j < kVecs; ++j)
+      wv[j] = Vec::loadu(d + j * Vec::size()) * load_bytes<true>(q + j * Vec::size());
   }
 };
 
 template <typename F>
 constexpr int64_t kBytes = F::kScales * kHalves + kBlock * F::kRow;  // per tile and block
 
-// A block's scales (m only where F has one)
+// A block's scales as float32, kTile each (m only where F has one)
 template <typename F>
-inline void load_scales(const uint8_t* w, Vec* d, Vec* m) {
+inline void load_scales(const uint8_t* w, float* d, float* m) {
   load_halves(w, d);
   if constexpr (F::kScales == 2) load_halves(w + kHalves, m);
 }

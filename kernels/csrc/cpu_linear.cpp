@@ -89,9 +89,10 @@ inline void load_row(const at::BFloat16* w, Vec* wv) {
 #endif
 }
 
-// A step of up to kQRegisterRows rows widens GGUF blocks in registers, more widen a tile once
-// into a float32 tile: the widening costs as much as 4-5 rows' FMAs (docs/performance.md, CPU).
-constexpr int64_t kQRegisterRows = 5;
+// A step of up to two row blocks widens GGUF blocks in registers, each block its own; more
+// rows widen a tile once into a float32 tile that every block reads, which costs what ~5
+// rows' FMAs do but is paid once (measured: docs/performance.md, CPU).
+constexpr int64_t kQRegisterRows = 2 * kRows;
 // The one row block's prefetch runs this far ahead in blocks: a float32 tile's kAheadBytes per
 // column.
 constexpr int64_t kQAhead = kAheadBytes * kTile;
@@ -174,9 +175,11 @@ void blocks_tile_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t K, 
   for (int64_t k0 = 0; k0 < K; k0 += kBlock, w += kBytes<F>) {
     for (int64_t line = 0; line < kBytes<F>; line += 64)
       __builtin_prefetch(w + kQAhead + line, 0, 3);
-    Vec d[kVecs], m[kVecs];
+    alignas(64) float d[kTile], m[kTile];
     load_scales<F>(w, d, m);
     const uint8_t* q = w + F::kScales * kHalves;
+    // Unrolled: with a loop here GCC stored every accumulator to the stack at every k.
+#pragma GCC unroll 32
     for (int64_t k = 0; k < kBlock; ++k) {
       Vec wv[kVecs];
       F::row(q + k * F::kRow, d, m, wv);
@@ -195,7 +198,7 @@ template <typename F>
 void widen_blocks(const uint8_t* w, int64_t K, float* wide) {
   using namespace gguf_blocks;
   for (int64_t k0 = 0; k0 < K; k0 += kBlock, w += kBytes<F>) {
-    Vec d[kVecs], m[kVecs];
+    alignas(64) float d[kTile], m[kTile];
     load_scales<F>(w, d, m);
     for (int64_t k = 0; k < kBlock; ++k) {
       Vec wv[kVecs];
@@ -247,8 +250,8 @@ struct Tile {
 };
 
 // A tile of GGUF blocks in format F, as Tile: a step of up to kQRegisterRows rows widens it in
-// registers (its one row block); more rows widen it once into `wide` ([K][kTile] floats),
-// and every block reads that as float32.
+// registers in each row block; more rows widen it once into `wide` ([K][kTile] floats), and
+// every block reads that as float32.
 template <typename F>
 struct BlocksTile {
   const uint8_t* w;
@@ -373,7 +376,7 @@ auto tile_of(const Problem& p, int64_t t, const float* init, bool next, int64_t 
     return Tile<W>(p.tile<W>(t), init, after, blocks, p.lines);
   else
     return BlocksTile<W>(p.tile<uint8_t>(t), init, after, blocks, p.lines, p.K,
-                         wide_tile(slot, p.K), blocks == 1 && p.M <= kQRegisterRows);
+                         wide_tile(slot, p.K), p.M <= kQRegisterRows);
 }
 
 template <typename W>
