@@ -50,9 +50,8 @@ WEIGHTS_ENV = "FLAGSERVE_CPU_WEIGHTS"
 # oneDNN picks its blocking for the row count it is told to expect; decode batches and the
 # LM head's sampled rows are in the tens (measured: docs/performance.md, CPU).
 BATCH_HINT = 64
-# Steps of up to this many rows read a GGUF block packing where a weight has one: Q4_1 4x
-# faster than float32 at 1 row, level at ~100, 0.9x at a 2,048-row prefill
-# (docs/performance.md, CPU).
+# Steps of up to this many rows read a GGUF block packing where a weight has one: faster than
+# float32 up to about a hundred rows, slower at a prefill's thousands (docs/performance.md, CPU).
 FEW_ROWS = 64
 
 

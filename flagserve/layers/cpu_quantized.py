@@ -26,6 +26,7 @@ from kernels import cpu_native
 BLOCK = 32  # values of a row per block
 # d's float16 neighbours tried, in this order, where the estimate rounds to another d
 _D_STEPS = (0, -1, 1, -2, 2)
+_PART_VALUES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,15 @@ def packed_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def find_blocks(weight: torch.Tensor, fmt: _Format, rows: int = 4096
+def find_blocks(weight: torch.Tensor, fmt: _Format, rows: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(q [N, K], d [N, K / 32] float16, m [N, K / 32] float16: zero for Q8_0) whose values in
-    `fmt` are weight's, bit for bit; None where weight holds other values."""
+    `fmt` are weight's, bit for bit; None where weight holds other values. Looked at `rows`
+    rows at a time (default: ~4M values, so the temporaries stay tens of MB)."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
     parts = []
-    for part in weight.split(rows):
+    for part in weight.split(rows or max(1, _PART_VALUES // weight.shape[1])):
         found = _blocks(part.reshape(-1, BLOCK), fmt)
         if found is None:
             return None

@@ -10,8 +10,9 @@ float32 kernel, on one tensor-parallel rank. FLAGSERVE_CPU_GREEDY_HEAD:
   of up to AVX512_BF16_MAX_ROWS rows (beyond, oneDNN's bf16 matmul there is slower than the
   float32 kernel) and only for a head the float32 kernel reads in float32 (one it reads in
   fewer bytes, exactly: bf16 values stored in bf16, GGUF Q8_0 blocks as blocks, by
-  cpu_matmul.py, was faster); and only for heads of AUTO_MIN_WEIGHTS weights or more (a smaller head stays in
-  cache, where the float32 kernel is as fast). Emulated bfloat16 is slower still;
+  cpu_matmul.py, was faster); and only for heads of AUTO_MIN_WEIGHTS weights or more (a
+  smaller head stays in cache, where the float32 kernel is as fast). Emulated bfloat16 is
+  slower still;
 - on: wherever the native kernels run (tests), bfloat16 by oneDNN or else by F.linear;
 - off: every step computes its float32 logits.
 """

@@ -17,10 +17,9 @@
 // A weight whose values are a GGUF file's Q4_1 or Q8_0 blocks (flagserve/layers/
 // cpu_quantized.py) may be packed as those blocks, 5 or 8.5 bits a weight: the kernel computes
 // each weight from its block to the bit as gguf's numpy does (cpu_gguf_blocks.h), so again the
-// outputs are the same. A step
-// of a few rows widens them in registers; more rows widen a tile once into a scratch tile that
-// every row block then reads as float32 (the caller keeps the float32 packing for prefills,
-// where widening per row chunk costs more than the bytes it saves).
+// outputs are the same. A step of a few rows widens them in registers; more rows widen a tile
+// once into a scratch tile that every row block then reads as float32 (the caller keeps the
+// float32 packing for prefills, where widening per row chunk costs more than the bytes save).
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -163,9 +162,8 @@ void tile_rows(const float* x, int64_t ldx, const W* w, int64_t K, const float* 
   store_sums<R>(acc, out, ldo, cols);
 }
 
-// Rows [0, R) of one tile of GGUF blocks in format F (the one row block of a step of few
-// rows), each weight widened in registers as it streams past; otherwise as tile_rows with
-// Prefetch::kAhead.
+// Rows [0, R) of one tile of GGUF blocks in format F (a row block of a step of few rows), each
+// weight widened in registers as it streams past; otherwise as tile_rows with Prefetch::kAhead.
 template <int64_t R, typename F>
 void blocks_tile_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* init,
                       float* out, int64_t ldo, int64_t cols) {
@@ -208,6 +206,8 @@ void widen_blocks(const uint8_t* w, int64_t K, float* wide) {
   }
 }
 
+// f(std::integral_constant<int64_t, rows>()) for rows in [1, kRows]: a row block's kernel
+// compiled for its row count.
 template <int64_t R = kRows, typename F>
 void with_rows(int64_t rows, const F& f) {
   if constexpr (R > 1) {
@@ -313,14 +313,15 @@ struct Problem {
           const c10::optional<at::Tensor>& bias_opt) {
     TORCH_CHECK(xt.dim() == 2 && xt.stride(1) == 1 && xt.scalar_type() == at::kFloat,
                 "x: [M, K] float32, rows contiguous");
+    TORCH_CHECK(packed.dim() == 3, "packed: pack_linear_weight(_q4_1 | _q8_0) of an [N, K] weight");
     M = xt.size(0), K = xt.size(1), tiles = packed.size(0), ldx = xt.stride(0);
     using gguf_blocks::kBlock, gguf_blocks::kBytes;
-    const bool blocks = packed.scalar_type() == at::kByte && packed.dim() == 3;
+    const bool blocks = packed.scalar_type() == at::kByte;
     storage = blocks && packed.size(2) == kBytes<gguf_blocks::Q4_1>   ? Storage::kQ4_1
               : blocks && packed.size(2) == kBytes<gguf_blocks::Q8_0> ? Storage::kQ8_0
               : packed.scalar_type() == at::kBFloat16                  ? Storage::kBFloat16
                                                                        : Storage::kFloat;
-    TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && tiles == (N + kTile - 1) / kTile &&
+    TORCH_CHECK(packed.is_contiguous() && tiles == (N + kTile - 1) / kTile &&
                 (blocks ? packed.size(1) * kBlock == K && storage != Storage::kFloat
                         : packed.size(1) == K && packed.size(2) == kTile &&
                           (packed.scalar_type() == at::kFloat ||
