@@ -178,8 +178,8 @@ def rotary_store_kvcache_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """A weight [N, K] as packed_linear reads it: [ceil(N / 32), K, 32], zero-padded, in its
-    dtype: float32, or bfloat16 (its columns interleaved in pairs: cpu_linear.cpp), which
-    packed_linear widens to float32 as it reads it."""
+    dtype: float32, or bfloat16 (its columns interleaved in pairs: cpu_linear.cpp) or float16,
+    which packed_linear widens to float32 as it reads it."""
     load_library()
     return torch.ops.flagserve_cpu.pack_linear_weight(weight)
 

@@ -1,9 +1,9 @@
-"""Weights stored in fewer bytes on CPU (layers/cpu_matmul.py): a bf16 checkpoint runs in
-float32 on CPU (`dtype: auto`) and gives the same tokens and logprobs, bit for bit, with its
-linear layers and LM head packed in bfloat16 (FLAGSERVE_CPU_WEIGHTS=auto) as in float32; a
-GGUF file of Q4_1 and Q8_0 blocks the same with its few-row steps reading the blocks; through
-the native layers (Llama) and the Python ones (Qwen3's q/k norm); weights with any other
-value stay float32."""
+"""Weights stored in fewer bytes on CPU (layers/cpu_matmul.py): a bf16 (or fp16) checkpoint
+runs in float32 on CPU (`dtype: auto`) and gives the same tokens and logprobs, bit for bit,
+with its linear layers and LM head packed in bfloat16 (float16) (FLAGSERVE_CPU_WEIGHTS=auto)
+as in float32; a GGUF file of Q4_1 and Q8_0 blocks the same with its few-row steps reading
+the blocks, one of F16 tensors packed in float16; through the native layers (Llama) and the
+Python ones (Qwen3's q/k norm); weights with any other value stay float32."""
 import json
 import shutil
 from pathlib import Path
@@ -15,7 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flagserve import LLM, SamplingParams
-from flagserve.layers.cpu_matmul import FEW_ROWS, WEIGHTS_ENV, holds_bfloat16, pack_weight
+from flagserve.layers.cpu_matmul import (
+    FEW_ROWS,
+    WEIGHTS_ENV,
+    holds_bfloat16,
+    holds_float16,
+    pack_weight,
+)
 from flagserve.layers.cpu_quantized import Q4_1, Q8_0, find_blocks
 from flagserve.models.config import auto_dtype, load_model_config
 from kernels import cpu_native
@@ -25,14 +31,14 @@ needs_native = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.av
                                   reason="the native kernels are CPU-only and need a C++ compiler")
 
 
-def _bf16_checkpoint(src: str, out: Path) -> str:
-    """The tiny model as a bf16 checkpoint: its weights rounded to bfloat16 and saved so."""
+def _half_checkpoint(src: str, out: Path, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The tiny model as a bf16 (fp16) checkpoint: its weights rounded so and saved so."""
     shutil.copytree(src, out)
     weights = load_file(out / "model.safetensors")
-    save_file({name: t.bfloat16() for name, t in weights.items()}, out / "model.safetensors",
+    save_file({name: t.to(dtype) for name, t in weights.items()}, out / "model.safetensors",
               metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
-    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config))
     return str(out)
 
@@ -70,7 +76,7 @@ def _block_bytes(packed) -> int | None:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_bf16_checkpoint_in_float32_gives_the_same_bits(tiny_model_factory, monkeypatch,
                                                           tmp_path, arch):
-    path = _bf16_checkpoint(tiny_model_factory(arch), tmp_path / "bf16")
+    path = _half_checkpoint(tiny_model_factory(arch), tmp_path / "bf16")
     cfg = load_model_config(path)
     assert cfg.torch_dtype == "bfloat16"
     assert (auto_dtype(cfg, on_gpu=False), auto_dtype(cfg, on_gpu=True)) == ("float32", "bfloat16")
@@ -96,6 +102,22 @@ def test_a_q4_1_gguf_gives_the_same_bits(tiny_model_factory, monkeypatch, tmp_pa
 
 
 @needs_native
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_float16_weights_are_stored_in_float16(tiny_model_factory, monkeypatch, tmp_path, source):
+    """An fp16 checkpoint and a GGUF file of F16 tensors: every linear and the LM head in
+    float16, the same bits as in float32."""
+    monkeypatch.setenv("FLAGSERVE_CACHE", str(tmp_path / "cache"))
+    if source == "hf":
+        path = _half_checkpoint(tiny_model_factory("llama"), tmp_path / "fp16", torch.float16)
+    else:
+        path = str(write_gguf(tiny_model_factory("llama"), tmp_path / "tiny.gguf", "F16"))
+    narrow, narrow_stored = _run(path, monkeypatch, "auto")
+    wide, wide_stored = _run(path, monkeypatch, "float32")
+    assert narrow_stored == {(torch.float16, None)} and wide_stored == {(torch.float32, None)}
+    assert narrow == wide
+
+
+@needs_native
 def test_only_weights_of_bfloat16_values_are_stored_so(monkeypatch):
     weight = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).bfloat16().float()
     assert holds_bfloat16(weight) and holds_bfloat16(weight, rows=5)  # any row split
@@ -103,6 +125,9 @@ def test_only_weights_of_bfloat16_values_are_stored_so(monkeypatch):
     off[63, 47] = torch.nextafter(off[63, 47], torch.tensor(float("inf")))  # a float32 ulp off
     assert not holds_bfloat16(off) and not holds_bfloat16(off, rows=5)
     assert not holds_bfloat16(weight.double())
+    halves = torch.randn(64, 48, generator=torch.Generator().manual_seed(1)).half().float()
+    assert holds_float16(halves) and holds_float16(halves, rows=5)
+    assert not holds_float16(off) and not holds_float16(halves * (1 + 2**-20))
     monkeypatch.setenv(WEIGHTS_ENV, "auto")
     assert pack_weight(weight, "native").data.dtype == torch.bfloat16
     assert pack_weight(off, "native").data.dtype == torch.float32

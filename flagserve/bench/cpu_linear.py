@@ -3,7 +3,7 @@
 Every layer's linears (q|k|v, o, gate|up with its SiLU, down) of the model's shape, each
 layer its own random weights (so the step streams them from memory as a model's does), with
 values of the chosen storage: `q4_1` / `q8_0` (gguf's quantizer, then packed as those blocks:
-layers/cpu_quantized.py) or `bf16` (bfloat16 values, packed in bfloat16). Each row count runs
+layers/cpu_quantized.py) or `bf16` / `f16` (such values, packed so). Each row count runs
 the layers against the float32 packing of the same weights, alternating, best of --reps, and
 prints ms per pass over all the layers and the ratio.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Literal
+from typing import Literal, get_args
 
 import gguf
 import numpy as np
@@ -23,7 +23,8 @@ from flagserve.layers.cpu_quantized import packed_blocks
 from flagserve.models.config import load_model_config
 from kernels import cpu_native
 
-Storage = Literal["q4_1", "q8_0", "bf16"]
+Storage = Literal["q4_1", "q8_0", "bf16", "f16"]
+HALF = {"bf16": torch.bfloat16, "f16": torch.float16}
 ROWS = (1, 4, 8, 12, 16, 24, 32, 48, 64, 100, 256, 2048)
 
 
@@ -38,8 +39,8 @@ def layer_shapes(model: str) -> list[tuple[int, int]]:
 def weight_values(shape: tuple[int, int], storage: Storage, rng: np.random.Generator) -> torch.Tensor:
     """A float32 weight whose values `storage` holds exactly."""
     values = rng.standard_normal(shape).astype(np.float32) * 0.05
-    if storage == "bf16":
-        return torch.from_numpy(values).bfloat16().float()
+    if storage in HALF:
+        return torch.from_numpy(values).to(HALF[storage]).float()
     kind = gguf.GGMLQuantizationType[storage.upper()]
     return torch.from_numpy(gguf.dequantize(gguf.quantize(values, kind), kind).reshape(shape).copy())
 
@@ -47,7 +48,7 @@ def weight_values(shape: tuple[int, int], storage: Storage, rng: np.random.Gener
 def packings(weight: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 packing, `storage`'s packing) of the same weight."""
     wide = cpu_native.pack_linear_weight(weight)
-    narrow = (cpu_native.pack_linear_weight(weight.bfloat16()) if storage == "bf16"
+    narrow = (cpu_native.pack_linear_weight(weight.to(HALF[storage])) if storage in HALF
               else packed_blocks(weight))
     assert narrow is not None, f"{storage} values not found as such"
     return wide, narrow
@@ -68,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="an HF directory or .gguf file (its shape)")
-    parser.add_argument("--storage", choices=["q4_1", "q8_0", "bf16"], default="q4_1")
+    parser.add_argument("--storage", choices=list(get_args(Storage)), default="q4_1")
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--layers", type=int, default=None, help="default: the model's")
     parser.add_argument("--reps", type=int, default=5)

@@ -21,7 +21,8 @@ which streams every weight from memory once, reads fewer bytes (FLAGSERVE_CPU_WE
 the default; `float32` keeps every weight in float32):
 - values that are all bfloat16 (a bf16 checkpoint run in float32): packed in bfloat16, half
   the bytes (faster up to tens of rows, a little slower at hundreds, where the widening
-  competes with the FMAs: docs/performance.md, CPU);
+  competes with the FMAs: docs/performance.md, CPU); all float16 (an fp16 checkpoint, a GGUF
+  file's F16 tensors): packed in float16 likewise;
 - values that are a GGUF file's Q4_1 or Q8_0 blocks (cpu_quantized.py): packed as those
   blocks too, a sixth or a quarter of the bytes, for steps of up to FEW_ROWS rows; more rows
   read the float32 packing, as widening the blocks costs a prefill more than it saves.
@@ -108,7 +109,7 @@ class PackedWeight:
     @property
     def compact(self) -> bool:
         """Whether the native kernel reads this weight in bf16's bytes or fewer."""
-        return self.few is not None or self.data.dtype == torch.bfloat16
+        return self.few is not None or self.data.dtype in (torch.bfloat16, torch.float16)
 
     def for_rows(self, rows: int) -> torch.Tensor:
         """The native packing a step of `rows` rows reads."""
@@ -129,6 +130,8 @@ def pack_weight(weight: torch.Tensor, mode: Literal["native", "onednn"]) -> Pack
     if env_choice(WEIGHTS_ENV, CpuWeights, "auto") == "auto":
         if holds_bfloat16(weight):
             weight = weight.to(torch.bfloat16)  # exact: every value is one
+        elif holds_float16(weight):
+            weight = weight.to(torch.float16)  # exact likewise
         else:
             few = packed_blocks(weight)
     return PackedWeight(mode, cpu_native.pack_linear_weight(weight), weight.shape[0], few)
@@ -141,3 +144,13 @@ def holds_bfloat16(weight: torch.Tensor, rows: int = 4096) -> bool:
         return False
     bits = weight.reshape(weight.shape[0], -1).view(torch.int32)
     return not any((part & 0xFFFF).any() for part in bits.split(rows))
+
+
+def holds_float16(weight: torch.Tensor, rows: int = 4096) -> bool:
+    """Whether every value of a float32 weight is a float16 (it survives the round trip bit
+    for bit), looked at `rows` rows at a time."""
+    if weight.dtype != torch.float32:
+        return False
+    parts = weight.reshape(weight.shape[0], -1).split(rows)
+    return all(torch.equal(part.half().float().view(torch.int32), part.view(torch.int32))
+               for part in parts)

@@ -23,18 +23,9 @@ constexpr int64_t kHalves = kTile * int64_t(sizeof(at::Half));  // a float16 per
 
 // kTile float16 values at p as float32 at out
 inline void load_halves(const uint8_t* p, float* out) {
-  for (int64_t j = 0; j < kVecs; ++j) {
-#if defined(CPU_CAPABILITY_AVX512)
-    _mm512_storeu_ps(out + j * Vec::size(),
-                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + j)));
-#elif defined(CPU_CAPABILITY_AVX2)
-    _mm256_storeu_ps(out + j * Vec::size(),
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + j)));
-#else
-    const at::Half* h = reinterpret_cast<const at::Half*>(p) + j * Vec::size();
-    for (int64_t i = 0; i < Vec::size(); ++i) out[j * Vec::size() + i] = static_cast<float>(h[i]);
-#endif
-  }
+  for (int64_t j = 0; j < kVecs; ++j)
+    cpu_tile::load_halves(reinterpret_cast<const at::Half*>(p) + j * Vec::size())
+        .store(out + j * Vec::size());
 }
 
 // Vec::size() integers from Vec::size() bytes at p: unsigned (Q4_1's pairs of nibbles) or

@@ -9,10 +9,10 @@
 // call. Numerics: each output is one float32 FMA chain over k in order.
 //
 // A weight whose values are all bfloat16 (a bf16 checkpoint run in float32) may be packed in
-// bfloat16, the same layout at half the bytes: the kernel widens each weight vector to
-// float32 as it loads it (exact), so the products and sums are the same bits, and a decode
-// step, which streams its weights from memory once, reads half as many (docs/performance.md,
-// CPU).
+// bfloat16, the same layout at half the bytes (float16 likewise: an fp16 checkpoint): the
+// kernel widens each weight vector to float32 as it loads it (exact), so the products and
+// sums are the same bits, and a decode step, which streams its weights from memory once,
+// reads half as many (docs/performance.md, CPU).
 //
 // A weight whose values are a GGUF file's Q4_1 or Q8_0 blocks (flagserve/layers/
 // cpu_quantized.py) may be packed as those blocks, 5 or 8.5 bits a weight: the kernel computes
@@ -86,6 +86,11 @@ inline void load_row(const at::BFloat16* w, Vec* wv) {
   }
   for (int64_t j = 0; j < kVecs; ++j) wv[j] = Vec::loadu(wide + j * Vec::size());
 #endif
+}
+
+// float16 tiles are stored as float32 ones are, column by column.
+inline void load_row(const at::Half* w, Vec* wv) {
+  for (int64_t j = 0; j < kVecs; ++j) wv[j] = cpu_tile::load_halves(w + j * Vec::size());
 }
 
 // A step of up to two row blocks widens GGUF blocks in registers, each block its own; more
@@ -283,12 +288,13 @@ int64_t chunk_rows(int64_t M, int64_t K) {
   return ((M + chunks - 1) / chunks + kRows - 1) / kRows * kRows;
 }
 
-// [N, K] -> [ceil(N / kTile), K, kTile], the columns past N zero; float32, or bfloat16 for a
-// weight whose values are all bfloat16 (the caller's to know: flagserve/layers/cpu_matmul.py).
+// [N, K] -> [ceil(N / kTile), K, kTile], the columns past N zero; float32, or bfloat16 / float16
+// for a weight whose values are all such (the caller's to know: flagserve/layers/cpu_matmul.py).
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat ||
-                                    weight.scalar_type() == at::kBFloat16),
-              "weight: [N, K] float32 or bfloat16");
+                                    weight.scalar_type() == at::kBFloat16 ||
+                                    weight.scalar_type() == at::kHalf),
+              "weight: [N, K] float32, bfloat16 or float16");
   const int64_t N = weight.size(0), K = weight.size(1), tiles = (N + kTile - 1) / kTile;
   at::Tensor padded = at::zeros({tiles * kTile, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
@@ -298,7 +304,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed.contiguous().view({tiles, K, kTile});
 }
 
-enum class Storage { kFloat, kBFloat16, kQ4_1, kQ8_0 };
+enum class Storage { kFloat, kBFloat16, kFloat16, kQ4_1, kQ8_0 };
 
 // The checks and shapes both linears share: x [M, K] float32 (rows contiguous) against a
 // pack_linear_weight(_q4_1 | _q8_0) of an [N, K] weight, and an optional [N] bias.
@@ -320,12 +326,14 @@ struct Problem {
     storage = blocks && packed.size(2) == kBytes<gguf_blocks::Q4_1>   ? Storage::kQ4_1
               : blocks && packed.size(2) == kBytes<gguf_blocks::Q8_0> ? Storage::kQ8_0
               : packed.scalar_type() == at::kBFloat16                  ? Storage::kBFloat16
+              : packed.scalar_type() == at::kHalf                      ? Storage::kFloat16
                                                                        : Storage::kFloat;
     TORCH_CHECK(packed.is_contiguous() && tiles == (N + kTile - 1) / kTile &&
                 (blocks ? packed.size(1) * kBlock == K && storage != Storage::kFloat
                         : packed.size(1) == K && packed.size(2) == kTile &&
                           (packed.scalar_type() == at::kFloat ||
-                           packed.scalar_type() == at::kBFloat16)),
+                           packed.scalar_type() == at::kBFloat16 ||
+                           packed.scalar_type() == at::kHalf)),
                 "packed: pack_linear_weight(_q4_1 | _q8_0) of an [N, K] weight");
     if (bias_opt.has_value() && bias_opt->defined()) {
       TORCH_CHECK(bias_opt->dim() == 1 && bias_opt->size(0) == N &&
@@ -351,12 +359,14 @@ struct Problem {
   }
 };
 
-// f(W()) for the packed weight's element type W: float, at::BFloat16, or a GGUF block format
+// f(W()) for the packed weight's element type W: float, at::BFloat16, at::Half, or a GGUF block
+// format
 template <typename F>
 void by_storage(Storage storage, const F& f) {
   switch (storage) {
     case Storage::kFloat: return f(float());
     case Storage::kBFloat16: return f(at::BFloat16());
+    case Storage::kFloat16: return f(at::Half());
     case Storage::kQ4_1: return f(gguf_blocks::Q4_1());
     case Storage::kQ8_0: return f(gguf_blocks::Q8_0());
   }
@@ -373,7 +383,8 @@ float* wide_tile(int slot, int64_t K) {
 template <typename W>
 auto tile_of(const Problem& p, int64_t t, const float* init, bool next, int64_t blocks, int slot) {
   const void* after = next ? p.tile<char>(t + 1) : nullptr;
-  if constexpr (std::is_same_v<W, float> || std::is_same_v<W, at::BFloat16>)
+  if constexpr (std::is_same_v<W, float> || std::is_same_v<W, at::BFloat16> ||
+                std::is_same_v<W, at::Half>)
     return Tile<W>(p.tile<W>(t), init, after, blocks, p.lines);
   else
     return BlocksTile<W>(p.tile<uint8_t>(t), init, after, blocks, p.lines, p.K,

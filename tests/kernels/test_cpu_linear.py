@@ -122,19 +122,22 @@ def _same_bits(x, narrow, wide, out_features, bias, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 100, 300])
 @pytest.mark.parametrize("out_features", [17, 64, 100])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bfloat16_packing_gives_the_float32_bits(rows, out_features, threads):
-    """A weight whose values are all bfloat16, packed in bfloat16 (columns interleaved in
-    pairs), widens to the float32 weight exactly: both linears give every bit of the float32
-    packing's, in every row block tail, partial tile and row chunk (300 x 1,000 rows)."""
+def test_half_width_packing_gives_the_float32_bits(dtype, rows, out_features, threads):
+    """A weight whose values are all bfloat16 (packed with its columns interleaved in pairs)
+    or all float16 (subnormal ones too), packed so, widens to the float32 weight exactly: both
+    linears give every bit of the float32 packing's, in every row block tail, partial tile and
+    row chunk (300 x 1,000 rows)."""
     gen = torch.Generator().manual_seed(rows * 100 + out_features)
     x = torch.randn(rows, 1000, generator=gen)
-    weight = (torch.randn(out_features, 1000, generator=gen) * 0.05).bfloat16()
+    weight = (torch.randn(out_features, 1000, generator=gen) * 0.05).to(dtype)
+    weight[:, :8] = torch.tensor([1e-7, -3e-6, 6e-8, 0.0, -0.0, 2.0**-24, 1e-5, -6e-5]).to(dtype)
     bias = torch.randn(out_features, generator=gen)
     wide, narrow = (cpu_native.pack_linear_weight(w) for w in (weight.float(), weight))
-    assert narrow.dtype == torch.bfloat16 and narrow.shape == wide.shape
+    assert narrow.dtype == dtype and narrow.shape == wide.shape
     _same_bits(x, narrow, wide, out_features, bias, threads)
 
 
