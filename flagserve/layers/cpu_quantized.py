@@ -27,6 +27,7 @@ BLOCK = 32  # values of a row per block
 # d's float16 neighbours tried, in this order, where the estimate rounds to another d
 _D_STEPS = (0, -1, 1, -2, 2)
 _PART_VALUES = 1 << 22
+_PROBE_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ def find_blocks(weight: torch.Tensor, fmt: _Format, rows: int | None = None
     rows at a time (default: ~4M values, so the temporaries stay tens of MB)."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
+    if _blocks(weight[:_PROBE_ROWS].reshape(-1, BLOCK), fmt) is None:
+        return None  # most weights are no blocks: know it from a few rows
     parts = []
     for part in weight.split(rows or max(1, _PART_VALUES // weight.shape[1])):
         found = _blocks(part.reshape(-1, BLOCK), fmt)
