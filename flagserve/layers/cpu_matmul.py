@@ -143,7 +143,7 @@ def holds_bfloat16(weight: torch.Tensor, rows: int = 4096) -> bool:
     if weight.dtype != torch.float32:
         return False
     bits = weight.reshape(weight.shape[0], -1).view(torch.int32)
-    return not any((part & 0xFFFF).any() for part in bits.split(rows))
+    return not any((part & 0xFFFF).any() for part in _parts(bits, rows))
 
 
 def holds_float16(weight: torch.Tensor, rows: int = 4096) -> bool:
@@ -151,6 +151,12 @@ def holds_float16(weight: torch.Tensor, rows: int = 4096) -> bool:
     for bit), looked at `rows` rows at a time."""
     if weight.dtype != torch.float32:
         return False
-    parts = weight.reshape(weight.shape[0], -1).split(rows)
+    parts = _parts(weight.reshape(weight.shape[0], -1), rows)
     return all(torch.equal(part.half().float().view(torch.int32), part.view(torch.int32))
                for part in parts)
+
+
+def _parts(weight: torch.Tensor, rows: int):
+    """The first few rows, then the rest `rows` at a time: most weights fail a check early."""
+    yield weight[:8]
+    yield from weight[8:].split(rows)
