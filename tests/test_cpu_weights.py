@@ -139,12 +139,13 @@ def test_only_weights_of_bfloat16_values_are_stored_so(monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("fmt", [Q4_1, Q8_0])
-def test_gguf_blocks_are_found_only_where_every_one_reproduces(fmt, monkeypatch):
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_0", "Q5_0"])
+def test_gguf_blocks_are_found_only_where_every_one_reproduces(kind, monkeypatch):
     """Blocks from gguf's own quantizer are found whatever rows the loader moved (and at any
-    row split); one value a float32 ulp off, a row width that is no whole number of blocks, or
-    plain float32 weights leave the weight in float32."""
-    qtype = gguf.GGMLQuantizationType.Q4_1 if fmt is Q4_1 else gguf.GGMLQuantizationType.Q8_0
+    row split), Q4_0's and Q5_0's as Q8_0 blocks; one value a float32 ulp off, a row width
+    that is no whole number of blocks, or plain float32 weights leave the weight in float32."""
+    fmt = Q4_1 if kind == "Q4_1" else Q8_0
+    qtype = gguf.GGMLQuantizationType[kind]
     values = np.random.default_rng(0).standard_normal((70, 96)).astype(np.float32) * 0.05
     values[3] = 0  # a block of one value
     weight = torch.from_numpy(gguf.dequantize(gguf.quantize(values, qtype), qtype).copy())
@@ -160,8 +161,15 @@ def test_gguf_blocks_are_found_only_where_every_one_reproduces(fmt, monkeypatch)
     off[69, 95] = torch.nextafter(off[69, 95], torch.tensor(float("inf")))
     assert find_blocks(off, fmt) is None and find_blocks(weight[:, :80], fmt) is None
     assert find_blocks(torch.randn(70, 96), fmt) is None
+    if kind in ("Q4_0", "Q5_0"):  # their -0.0 values (d < 0 times q = 0) too
+        assert (weight.view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).any()
     monkeypatch.setenv(WEIGHTS_ENV, "auto")
-    assert _block_bytes(pack_weight(weight, "native")) == (20 if fmt is Q4_1 else 34)
+    packed = pack_weight(weight, "native")
+    assert _block_bytes(packed) == (20 if fmt is Q4_1 else 34)
+    for rows in (1, 30):  # in registers, and widened into a float32 tile
+        x = torch.randn(rows, 96)
+        assert torch.equal(cpu_native.packed_linear(x, packed.few, 70, None),
+                           cpu_native.packed_linear(x, packed.data, 70, None))
     assert pack_weight(off, "native").few is None
     monkeypatch.setenv(WEIGHTS_ENV, "float32")
     assert pack_weight(weight, "native").few is None

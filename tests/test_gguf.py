@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from flagserve import LLM, SamplingParams
 from flagserve.models.architectures import ARCHS
 from flagserve.models.config import auto_dtype, load_model_config
-from flagserve.models.gguf import gguf_param_count, gguf_weight_bytes
+from flagserve.models.gguf import gguf_cpu_block_bytes, gguf_param_count
 from flagserve.models.tokenizer import gguf_tokenizer_cache_dir, load_tokenizer
 from tests.gguf_files import WeightType, write_gguf
 from tests.hf_referee import hf_greedy
@@ -162,7 +162,7 @@ def test_plan_sizes_the_dequantized_weights(gguf_model, capsys):
         gguf_model("qwen3")[0]).parameters())
     assert gguf_param_count(path) == params
     assert "(Qwen3ForCausalLM, float32," in out
-    blocks = gguf_weight_bytes(path, ("Q4_1", "Q8_0"))  # kept for decode steps on CPU
+    blocks = gguf_cpu_block_bytes(path)  # kept for decode steps on CPU
     assert 0 < blocks < params * 4 / 3
     assert f"weights   {(params * 4 + blocks) / 2**20:.1f} MiB" in out  # dequantized to float32
     assert "KV cache" in out and "tokens at 1.0 KiB/token" in out  # 2 layers x 2 x 2 heads x 32 x 4 B

@@ -10,13 +10,15 @@ gate|up fused), and every block is checked by recomputing it: a weight with one 
 does not reproduce stays float32.
 
 Per 32 consecutive values of a row a block stores integers q and float16 scales: Q4_1 a value
-(d * q) + m with q in [0, 16), Q8_0 d * q with q an int8. llama.cpp's and gguf's quantizers
-give a Q4_1 block's smallest value q = 0 and its largest q = 15, and a Q8_0 block's largest
-magnitude |q| = 127, so m is the block's minimum and d is near (max - m) / 15 or max |v| / 127;
-a few float16 neighbours of that estimate cover its rounding.
+(d * q) + m with q in [0, 16), Q8_0 d * q with q an int8 (Q4_0's and Q5_0's blocks are Q8_0
+ones too). llama.cpp's and gguf's quantizers give a Q4_1 block's smallest value q = 0 and its
+largest q = 15, and a Q8_0 block's largest magnitude |q| = 127 (Q4_0's 8, Q5_0's 16), so m is
+the block's minimum and d is near (max - m) / 15 or max |v| / 127 (8, 16); a few float16
+neighbours of that estimate cover its rounding.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -34,13 +36,18 @@ _PROBE_ROWS = 8
 class _Format:
     low: int  # q's range
     high: int
-    top: int  # q of the block's largest value (Q4_1) or magnitude (Q8_0)
+    # q of the block's largest value (Q4_1) or magnitude (Q8_0, signed: d may be negative),
+    # tried in turn
+    tops: tuple[int, ...]
     offset: bool  # values are d * q + m (Q4_1), else d * q (Q8_0)
     dtype: torch.dtype  # of q
 
 
-Q4_1 = _Format(0, 15, 15, True, torch.uint8)
-Q8_0 = _Format(-128, 127, 127, False, torch.int8)
+Q4_1 = _Format(0, 15, (15,), True, torch.uint8)
+# Q4_0 and Q5_0 blocks are d * (q - 8) and d * (q - 16), their largest magnitude at
+# |q - 8| = 8 and |q - 16| = 16: Q8_0 blocks too, whose d is that magnitude / -8 or / -16
+# (negative where the block's extreme value is positive: its q - 8 is -8).
+Q8_0 = _Format(-128, 127, (127, -8, 8, -16, 16), False, torch.int8)
 
 
 def packed_blocks(weight: torch.Tensor) -> torch.Tensor | None:
@@ -80,15 +87,15 @@ def _blocks(values: torch.Tensor, fmt: _Format
         m = values.amin(1)
         if not torch.equal(m.half().float().view(torch.int32), m.view(torch.int32)):
             return None  # a minimum that no float16 m holds (or not a number)
-        estimate = ((values.amax(1) - m) / fmt.top).half()
+        span = values.amax(1) - m
     else:
         m = values.new_zeros(len(values))
-        estimate = (values.abs().amax(1) / fmt.top).half()
-    d16 = torch.zeros_like(estimate)
+        span = values.abs().amax(1)
+    d16 = torch.zeros(len(values), dtype=torch.float16)
     q = torch.zeros(values.shape, dtype=fmt.dtype)
     left = torch.arange(len(values))  # blocks not reproduced yet
-    for step in _D_STEPS:
-        guess = _float16_step(estimate[left], step)
+    for top, step in itertools.product(fmt.tops, _D_STEPS):
+        guess = _float16_step((span[left] / top).half(), step)
         levels, ok = _reproduce(values[left], guess, m[left], fmt)
         d16[left[ok]], q[left[ok]] = guess[ok], levels[ok].to(fmt.dtype)
         left = left[~ok]
@@ -98,10 +105,11 @@ def _blocks(values: torch.Tensor, fmt: _Format
 
 
 def _float16_step(d: torch.Tensor, steps: int) -> torch.Tensor:
-    """d (>= 0) moved `steps` float16 values up."""
+    """d moved `steps` float16 values away from zero (past the ends: NaN, which never
+    reproduces)."""
     if steps == 0:
         return d
-    return (d.view(torch.int16) + steps).clamp(min=0).view(torch.float16)
+    return (d.view(torch.int16) + torch.where(d < 0, -steps, steps).to(torch.int16)).view(torch.float16)
 
 
 def _reproduce(values: torch.Tensor, d16: torch.Tensor, m: torch.Tensor, fmt: _Format
@@ -110,7 +118,8 @@ def _reproduce(values: torch.Tensor, d16: torch.Tensor, m: torch.Tensor, fmt: _F
     d = d16.float()[:, None]
     zero = d == 0
     q = ((values - m[:, None]) / torch.where(zero, 1.0, d)).round().clamp(fmt.low, fmt.high)
-    q = torch.where(zero, 0.0, q)
+    # As the integers stored: no -0.0 (a value -0.0 is d * 0 only for a negative d)
+    q = torch.where(zero, 0.0, q).to(fmt.dtype).float()
     again = d * q  # exact in float32 (11 significant bits times at most 8)
     if fmt.offset:
         again = again + m[:, None]  # rounded once, as gguf's numpy and the kernel

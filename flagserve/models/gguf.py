@@ -9,7 +9,7 @@ package to float32. No torch here: config validation reads GGUF configs too.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,12 +126,20 @@ def gguf_param_count(path: str | Path) -> int:
     return sum(math.prod(t.shape) for name, t in f.tensors.items() if name != ROPE_FREQS)
 
 
-def gguf_weight_bytes(path: str | Path, kinds: Collection[str] | None = None) -> int:
-    """The file's weights in bytes, as stored (quantized blocks at their own size); of the
-    tensors stored as `kinds` (GGML type names: "Q4_1", ...) only, where given."""
+def gguf_weight_bytes(path: str | Path) -> int:
+    """The file's weights in bytes, as stored (quantized blocks at their own size)."""
     f = read_gguf(path)
-    return sum(t.nbytes for name, t in f.tensors.items()
-               if name != ROPE_FREQS and (kinds is None or t.ggml_type.name in kinds))
+    return sum(t.nbytes for name, t in f.tensors.items() if name != ROPE_FREQS)
+
+
+def gguf_cpu_block_bytes(path: str | Path) -> int:
+    """Bytes of the blocks the native CPU linear keeps beside the float32 weights
+    (flagserve/layers/cpu_quantized.py): Q4_1 tensors as stored, Q8_0, Q4_0 and Q5_0 ones as
+    Q8_0 blocks (34 bytes per 32 weights)."""
+    tensors = read_gguf(path).tensors.values()
+    q4_1 = sum(t.nbytes for t in tensors if t.ggml_type.name == "Q4_1")
+    q8_0 = sum(math.prod(t.shape) for t in tensors if t.ggml_type.name in ("Q8_0", "Q4_0", "Q5_0"))
+    return q4_1 + q8_0 * 34 // 32
 
 
 def hf_name(gguf_name: str) -> str:

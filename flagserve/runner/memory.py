@@ -1,9 +1,10 @@
 """Memory per device of one engine shard: weights, and the KV cache capacity in tokens.
 
 Counts parameters from the safetensors headers or the GGUF tensor table (exact, reads a few
-KB per file; GGUF weights count as dequantized to the engine's dtype, and on CPU their Q4_1
-and Q8_0 blocks once more, which decode steps read: flagserve/layers/cpu_matmul.py) and applies
-the engine's own KV budget rule (flagserve/engine/kv_budget.py) to the weights it counted.
+KB per file; GGUF weights count as dequantized to the engine's dtype, and on CPU their Q4_1,
+Q8_0, Q4_0 and Q5_0 blocks once more, which decode steps read: flagserve/layers/cpu_matmul.py)
+and applies the engine's own KV budget rule (flagserve/engine/kv_budget.py) to the weights it
+counted.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from flagserve.config.schema import LLMModule
 from flagserve.config.topology import engine_args_for
 from flagserve.engine.kv_budget import capacity_blocks, kv_budget_bytes
 from flagserve.models.config import DTYPE_BYTES, ModelConfig, auto_dtype, load_model_config
-from flagserve.models.gguf import gguf_param_count, gguf_weight_bytes
+from flagserve.models.gguf import gguf_cpu_block_bytes, gguf_param_count
 
 ASSUMED_GPU_GIB = 80.0
 
@@ -81,7 +82,7 @@ def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
     params = count_params(Path(args.model), cfg)
     weights = params * elem // (tp * pp)
     if not gpu and cfg.checkpoint_format == "gguf" and dtype == "float32":
-        weights += gguf_weight_bytes(args.model, ("Q4_1", "Q8_0")) // (tp * pp)
+        weights += gguf_cpu_block_bytes(args.model) // (tp * pp)
     kv_heads = max(1, cfg.num_key_value_heads // tp)
     kv_per_token = 2 * math.ceil(cfg.num_hidden_layers / pp) * kv_heads * cfg.head_dim * elem
     max_model_len = args.max_model_len or cfg.max_position_embeddings
