@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 
-from flagserve.layers.cpu_quantized import packed_blocks
+from flagserve.layers.cpu_quantized import packed_blocks, row_parts
 from kernels import cpu_native
 from kernels.env import env_choice
 
@@ -87,8 +87,8 @@ def bf16_supported() -> bool:
 class PackedWeight:
     """A weight [out, in] in the layout of `mode`'s kernel; called as F.linear(x, weight, bias)."""
     mode: Literal["native", "onednn"]
-    # native: [ceil(out / 32), in, 32], float32 or (values that are all bfloat16) bfloat16;
-    # onednn: an opaque mkldnn tensor
+    # native: [ceil(out / 32), in, 32], float32, or bfloat16 / float16 where every value is
+    # one; onednn: an opaque mkldnn tensor
     data: torch.Tensor
     out_features: int
     # native: the same weight as GGUF blocks (cpu_quantized.py), which steps of up to FEW_ROWS
@@ -140,23 +140,19 @@ def pack_weight(weight: torch.Tensor, mode: Literal["native", "onednn"]) -> Pack
 def holds_bfloat16(weight: torch.Tensor, rows: int = 4096) -> bool:
     """Whether every value of a float32 weight is a bfloat16 (the low 16 bits of each are
     zero), looked at `rows` rows at a time."""
-    if weight.dtype != torch.float32:
-        return False
-    bits = weight.reshape(weight.shape[0], -1).view(torch.int32)
-    return not any((part & 0xFFFF).any() for part in _parts(bits, rows))
+    return _every_part(weight, rows, lambda part: not (part.view(torch.int32) & 0xFFFF).any())
 
 
 def holds_float16(weight: torch.Tensor, rows: int = 4096) -> bool:
     """Whether every value of a float32 weight is a float16 (it survives the round trip bit
     for bit), looked at `rows` rows at a time."""
+    return _every_part(weight, rows, lambda part: torch.equal(
+        part.half().float().view(torch.int32), part.view(torch.int32)))
+
+
+def _every_part(weight: torch.Tensor, rows: int, check) -> bool:
+    """Whether `check` holds for every part of a float32 weight's rows
+    (cpu_quantized.row_parts)."""
     if weight.dtype != torch.float32:
         return False
-    parts = _parts(weight.reshape(weight.shape[0], -1), rows)
-    return all(torch.equal(part.half().float().view(torch.int32), part.view(torch.int32))
-               for part in parts)
-
-
-def _parts(weight: torch.Tensor, rows: int):
-    """The first few rows, then the rest `rows` at a time: most weights fail a check early."""
-    yield weight[:8]
-    yield from weight[8:].split(rows)
+    return all(check(part) for part in row_parts(weight.reshape(weight.shape[0], -1), rows))

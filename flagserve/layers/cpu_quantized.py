@@ -19,6 +19,7 @@ neighbours of that estimate cover its rounding.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ BLOCK = 32  # values of a row per block
 # d's float16 neighbours tried, in this order, where the estimate rounds to another d
 _D_STEPS = (0, -1, 1, -2, 2)
 _PART_VALUES = 1 << 22
-_PROBE_ROWS = 8
+_PROBE_ROWS = 8  # most weights hold no such values: know it from a few rows
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,8 @@ def find_blocks(weight: torch.Tensor, fmt: _Format, rows: int | None = None
     rows at a time (default: ~4M values, so the temporaries stay tens of MB)."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
-    if _blocks(weight[:_PROBE_ROWS].reshape(-1, BLOCK), fmt) is None:
-        return None  # most weights are no blocks: know it from a few rows
     parts = []
-    for part in weight.split(rows or max(1, _PART_VALUES // weight.shape[1])):
+    for part in row_parts(weight, rows or max(1, _PART_VALUES // weight.shape[1])):
         found = _blocks(part.reshape(-1, BLOCK), fmt)
         if found is None:
             return None
@@ -78,6 +77,13 @@ def find_blocks(weight: torch.Tensor, fmt: _Format, rows: int | None = None
     q, d, m = (torch.cat(x) for x in zip(*parts))
     n = weight.shape[0]
     return q.view(n, -1), d.view(n, -1), m.view(n, -1)
+
+
+def row_parts(weight: torch.Tensor, rows: int) -> Iterator[torch.Tensor]:
+    """weight's first few rows, then the rest `rows` at a time: a check of its values that
+    stops at the first part that fails stops early for most weights."""
+    yield weight[:_PROBE_ROWS]
+    yield from weight[_PROBE_ROWS:].split(rows)
 
 
 def _blocks(values: torch.Tensor, fmt: _Format
@@ -109,7 +115,8 @@ def _float16_step(d: torch.Tensor, steps: int) -> torch.Tensor:
     reproduces)."""
     if steps == 0:
         return d
-    return (d.view(torch.int16) + torch.where(d < 0, -steps, steps).to(torch.int16)).view(torch.float16)
+    away = torch.where(d < 0, -steps, steps).to(torch.int16)
+    return (d.view(torch.int16) + away).view(torch.float16)
 
 
 def _reproduce(values: torch.Tensor, d16: torch.Tensor, m: torch.Tensor, fmt: _Format

@@ -64,7 +64,7 @@ def auto_dtype(cfg: ModelConfig, on_gpu: bool) -> str:
         return "float32"
     if cfg.checkpoint_format == "gguf":
         return "bfloat16"
-    return cfg.torch_dtype if cfg.torch_dtype in ("float32", "float16", "bfloat16") else "float32"
+    return cfg.torch_dtype if cfg.torch_dtype in DTYPE_BYTES else "float32"
 
 
 def _rope_config(cfg: dict) -> RopeConfig:

@@ -63,12 +63,13 @@ class NativeLayers:
         if few not in self._args:
             weights, biases = [], []
             for layer in self.layers:
-                qkv, o, gate_up, down = (lin.packed.for_rows(rows) for lin in _linears(layer))
+                linears = _linears(layer)
+                qkv, o, gate_up, down = (lin.packed.for_rows(rows) for lin in linears)
                 cache = layer.self_attn.attn
                 weights += [layer.input_layernorm.weight, qkv, o,
                             layer.post_attention_layernorm.weight, gate_up, down,
                             cache.k_cache, cache.v_cache]
-                biases += [lin.bias for lin in _linears(layer)]
+                biases += [lin.bias for lin in linears]
             self._args[few] = (weights, biases)
         return self._args[few]
 
