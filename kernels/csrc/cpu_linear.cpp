@@ -21,6 +21,7 @@
 // once into a scratch tile that every row block then reads as float32 (the caller keeps the
 // float32 packing for prefills, where widening per row chunk costs more than the bytes save).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
@@ -32,8 +33,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
+
+#include <unistd.h>
 
 namespace {
 
@@ -46,10 +50,12 @@ using cpu_tile::Vec;
 // from 64 rows up; 10 and 14 did no better); AVX2 had 2 x 32 before, 8 accumulators for 6
 // loads per k, slower than 6 x 16 at every row count (docs/performance.md, CPU).
 constexpr int64_t kRows = Vec::size() == 16 ? 12 : 6;
-// Rows of x in chunks of about kChunkBytes (chunk_rows): a chunk stays in L2 while every
+// Rows of x in chunks of about chunk_bytes() (chunk_rows): a chunk stays in L2 while every
 // tile's weights stream past it (prefetched, below), where all of a prefill's rows were read
-// from L3 once per tile. (Before the prefetch, chunks paid only from 4,096 rows on.)
-constexpr int64_t kChunkBytes = 256 * 1024;
+// from L3 once per tile. (Before the prefetch, chunks paid only from 4,096 rows on.) Half the
+// core's L2, between 256 KB and 1 MB: a decode step of ~100 rows of a 1,536-wide down_proj
+// (614 KB) in one chunk reads its weights once, not three times (docs/performance.md, CPU).
+constexpr int64_t kMinChunkBytes = 256 * 1024, kMaxChunkBytes = 1024 * 1024;
 // A tile's first row block reads its weights from memory and runs at the memory's pace, the
 // other blocks from L2 at the FMAs' pace. So while the other blocks run, they prefetch the
 // next tile into L2, a line every kPrefetchEvery k, and its first block finds it there. A
@@ -278,13 +284,25 @@ struct BlocksTile {
   }
 };
 
-// Rows of x per work item: all of them up to kChunkBytes of x (a decode step: the threads
-// split the tiles), else chunks of about kChunkBytes (a prefill: the threads split the rows
+// Rows of x per work item: all of them up to chunk_bytes() of x (a decode step: the threads
+// split the tiles), else chunks of about chunk_bytes() (a prefill: the threads split the rows
 // and the tiles).
+int64_t chunk_bytes() {
+  static const int64_t bytes = [] {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    const int64_t l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // 0 or -1 where unknown
+#else
+    const int64_t l2 = 0;
+#endif
+    return std::clamp<int64_t>(l2 / 2, kMinChunkBytes, kMaxChunkBytes);
+  }();
+  return bytes;
+}
+
 int64_t chunk_rows(int64_t M, int64_t K) {
-  const int64_t x_bytes = M * K * int64_t(sizeof(float));
-  if (x_bytes <= kChunkBytes) return M;
-  const int64_t chunks = (x_bytes + kChunkBytes - 1) / kChunkBytes;
+  const int64_t x_bytes = M * K * int64_t(sizeof(float)), most = chunk_bytes();
+  if (x_bytes <= most) return M;
+  const int64_t chunks = (x_bytes + most - 1) / most;
   return ((M + chunks - 1) / chunks + kRows - 1) / kRows * kRows;
 }
 
@@ -302,6 +320,24 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   if (weight.scalar_type() == at::kBFloat16)  // the two vectors' columns interleaved (load_row)
     packed = packed.reshape({tiles, K, kVecs, Vec::size()}).transpose(2, 3);
   return packed.contiguous().view({tiles, K, kTile});
+}
+
+// The run length in [1, most] whose turns (run i to thread i % threads) leave the busiest
+// thread the fewest of `items`; the longest such.
+int64_t even_run(int64_t items, int64_t threads, int64_t most) {
+  threads = std::max<int64_t>(threads, 1);
+  int64_t best = most, best_load = std::numeric_limits<int64_t>::max();
+  for (int64_t run = most; run >= 1; --run) {
+    const int64_t runs = (items + run - 1) / run;
+    int64_t load = 0;
+    for (int64_t t = 0; t < threads; ++t) {
+      int64_t mine = 0;
+      for (int64_t i = t; i < runs; i += threads) mine += std::min(run, items - i * run);
+      load = std::max(load, mine);
+    }
+    if (load < best_load) best = run, best_load = load;
+  }
+  return best;
 }
 
 enum class Storage { kFloat, kBFloat16, kFloat16, kQ4_1, kQ8_0 };
@@ -353,9 +389,14 @@ struct Problem {
     return reinterpret_cast<const T*>(static_cast<const char*>(w) + t * tile_bytes);
   }
   int64_t blocks(int64_t m0, int64_t m1) const { return (m1 - m0 + kRows - 1) / kRows; }
-  // A thread takes this many items at a time (see kGrainTiles); one block: no prefetch.
+  // A thread takes this many items at a time (see kGrainTiles); one block: no prefetch. In a
+  // step of one chunk (decode) the threads share a few dozen tiles, and whoever takes the
+  // last run of kGrainTiles keeps the others waiting (o_proj's 18 tiles went 10 / 8): the
+  // largest run up to kGrainTiles that shares them most evenly when the threads take turns.
   int64_t grain(int64_t tiles_per_item) const {
-    return std::min(M, chunk) > kRows ? std::max<int64_t>(kGrainTiles / tiles_per_item, 1) : 1;
+    if (std::min(M, chunk) <= kRows) return 1;
+    const int64_t most = std::max<int64_t>(kGrainTiles / tiles_per_item, 1);
+    return chunks > 1 ? most : even_run(tiles / tiles_per_item, at::get_num_threads(), most);
   }
 };
 
