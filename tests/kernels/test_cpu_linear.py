@@ -49,9 +49,10 @@ def test_strided_rows_and_a_large_layer():
 def test_long_inputs_in_row_chunks(threads):
     """Past a chunk of x (half the L2, 256 KB to 1 MB) the threads split the rows in chunks;
     1,379 rows of 1,536 (8.5 MB) leave a partial chunk and a partial row block, and the
-    threads take (chunk, tile) items from one counter, runs of them ending anywhere in a chunk. Each output is the same FMA chain however
-    the rows are split: equal to the rows computed in slices small enough not to be chunked
-    (40 rows, 240 KB), and within float32's bound for a 1,536-term sum."""
+    threads take (chunk, tile) items from one counter, runs of them ending anywhere in a chunk.
+    Each output is the same FMA chain however the rows are split: equal to the rows computed
+    in slices small enough not to be chunked (40 rows, 240 KB), and within float32's bound for
+    a 1,536-term sum."""
     gen = torch.Generator().manual_seed(threads)
     x = torch.randn(1379, 1536, generator=gen)
     weight, bias = torch.randn(70, 1536, generator=gen), torch.randn(70, generator=gen)
