@@ -27,14 +27,24 @@ def test_ratio_rows_divide_flagserve_by_vllm():
     runs = {"flagserve": {rate_name(4.0): metrics(120, 300, 50, 900)},
             "vllm": {rate_name(4.0): metrics(100, 600, 25, 300)}}
     rows = table(runs).splitlines()
-    assert rows[-1] == "| 4 req/s | FlagServe / vLLM | 1.20x | 0.50x | 2.00x | 3.00x |"
+    assert rows[-1] == "| 4 req/s | FlagServe / vLLM | 1.20x | 0.50x | 2.00x | 3.00x | - |"
     assert len(rows) == 5
+
+
+def test_the_arrivals_bound_what_any_server_reaches():
+    """The last request sent at 8 s: no server ends before, so 6,400 tokens make at most 800
+    tok/s, and against vLLM's 10 s run at most 1.25x."""
+    runs = {engine: {rate_name(4.0): metrics(tok_s, 300, 50, 900)}
+            for engine, tok_s in (("flagserve", 700), ("vllm", 640))}
+    rows = table(runs, {rate_name(4.0): 8.0}).splitlines()
+    assert [row.split(" | ")[-1] for row in rows[2:]] == ["800.0 |", "800.0 |", "1.25x |"]
+    assert rows[-1].startswith("| 4 req/s | FlagServe / vLLM | 1.09x |")
 
 
 def test_one_engine_has_no_ratio_rows():
     runs = {"flagserve": {rate_name(math.inf): metrics(120, 300, 50, 900)}}
-    rows = table(runs).splitlines()
-    assert rows[2:] == ["| all at once | flagserve | 120.0 | 300 | 50 | 900 |"]
+    rows = table(runs, {rate_name(math.inf): 0.0}).splitlines()
+    assert rows[2:] == ["| all at once | flagserve | 120.0 | 300 | 50 | 900 | - |"]
 
 
 def test_repeated_rates_get_a_row_each():

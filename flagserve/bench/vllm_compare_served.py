@@ -123,24 +123,27 @@ def paused(servers: list[Server]) -> Iterator[None]:
 
 
 def bench(servers: dict[str, Server], model: str, args: argparse.Namespace
-          ) -> dict[str, dict[str, BenchmarkMetrics]]:
-    """{engine: {run: metrics}}: each run's workload through every server in turn, the others
-    paused (module docstring), the runs in --rates order."""
+          ) -> tuple[dict[str, dict[str, BenchmarkMetrics]], dict[str, float]]:
+    """({engine: {run: metrics}}, {run: when its last request is sent}): each run's workload
+    through every server in turn, the others paused (module docstring), the runs in --rates
+    order."""
     from flagserve.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     targets = {engine: Target(server.root, served_model(server.root))
                for engine, server in servers.items()}
     out: dict[str, dict[str, BenchmarkMetrics]] = {engine: {} for engine in servers}
+    last_sends: dict[str, float] = {}
     for i, (rate, name) in enumerate(zip(args.rates, run_names(args.rates), strict=True)):
         s = Settings(num_prompts=args.num_prompts, input_len=args.input_len,
                      output_len=args.output_len, request_rate=rate, seed=args.seed + i,
                      progress=False)
         samples, offsets = workload(s, tokenizer)
+        last_sends[name] = max(offsets, default=0.0)
         for engine in alternate(list(servers), i):
             with paused([server for other, server in servers.items() if other != engine]):
                 out[engine][name] = http_run(name, targets[engine], s, samples, offsets).metrics
-    return out
+    return out, last_sends
 
 
 def served_model(root: str) -> str:
@@ -168,24 +171,33 @@ def run_names(rates: list[float]) -> list[str]:
     return out
 
 
-def table(results: dict[str, dict[str, BenchmarkMetrics]]) -> str:
-    rows = ["| rate | engine | output tok/s | median TTFT ms | median ITL ms | p99 TTFT ms |",
-            "|---|---|---|---|---|---|"]
+def table(results: dict[str, dict[str, BenchmarkMetrics]],
+          last_sends: dict[str, float] | None = None) -> str:
+    """The runs' figures per engine and FlagServe's ratios to vLLM's. `arrivals' bound`: the
+    most any server could reach when its last request is sent at last_sends[run] (it cannot
+    finish before): that output tok/s in an engine's row, that over vLLM's in a ratio row. At
+    a rate that both engines keep up with, the ratio's target has to stay under it."""
+    last_sends = last_sends or {}
+    rows = ["| rate | engine | output tok/s | median TTFT ms | median ITL ms | p99 TTFT ms "
+            "| arrivals' bound |", "|---|---|---|---|---|---|---|"]
     for rate in next(iter(results.values())):
+        last = last_sends.get(rate, 0.0)
         for engine in results:
             m = results[engine][rate]
             lat = m.latency_ms
+            bound = f"{m.total_output_tokens / last:.1f}" if last > 0 else "-"
             rows.append(f"| {rate} | {engine} | {m.output_throughput:.1f} | "
                         f"{lat['ttft']['median']:.0f} | {lat['itl']['median']:.0f} | "
-                        f"{lat['ttft']['p99']:.0f} |")
+                        f"{lat['ttft']['p99']:.0f} | {bound} |")
         ours, theirs = (results.get(e, {}).get(rate) for e in ("flagserve", "vllm"))
         if ours is None or theirs is None:
             continue
+        bound = f"{theirs.duration_s / last:.2f}x" if last > 0 else "-"
         rows.append(f"| {rate} | FlagServe / vLLM | "
                     f"{ours.output_throughput / theirs.output_throughput:.2f}x | "
                     + " | ".join(f"{ours.latency_ms[k][q] / theirs.latency_ms[k][q]:.2f}x"
                                  for k, q in (("ttft", "median"), ("itl", "median"),
-                                              ("ttft", "p99"))) + " |")
+                                              ("ttft", "p99"))) + f" | {bound} |")
     return "\n".join(rows)
 
 
@@ -220,5 +232,5 @@ def main() -> None:
         if "vllm" in args.engines:
             servers["vllm"] = stack.enter_context(
                 vllm_server(args.vllm_python, model, args.port + 1, args.kv_cache_gib))
-        results = bench(servers, model, args)
-    print(table(results), flush=True)
+        results, last_sends = bench(servers, model, args)
+    print(table(results, last_sends), flush=True)
