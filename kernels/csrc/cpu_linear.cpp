@@ -328,12 +328,11 @@ int64_t even_run(int64_t items, int64_t threads, int64_t most) {
   threads = std::max<int64_t>(threads, 1);
   int64_t best = most, best_load = std::numeric_limits<int64_t>::max();
   for (int64_t run = most; run >= 1; --run) {
-    const int64_t runs = (items + run - 1) / run;
+    const int64_t runs = (items + run - 1) / run, short_by = runs * run - items;
     int64_t load = 0;
-    for (int64_t t = 0; t < threads; ++t) {
-      int64_t mine = 0;
-      for (int64_t i = t; i < runs; i += threads) mine += std::min(run, items - i * run);
-      load = std::max(load, mine);
+    for (int64_t t = 0; t < std::min(threads, runs); ++t) {  // thread t: runs t, t + threads, ...
+      const int64_t mine = (runs - t + threads - 1) / threads * run;
+      load = std::max(load, mine - ((runs - 1) % threads == t ? short_by : 0));
     }
     if (load < best_load) best = run, best_load = load;
   }
