@@ -419,16 +419,29 @@ float* wide_tile(int slot, int64_t K) {
   return wide[slot].data();
 }
 
-// Tile t of p (its row blocks prefetching tile t + 1 where `next`)
+// Tile t of p (its row blocks prefetching tile `next`, where >= 0)
 template <typename W>
-auto tile_of(const Problem& p, int64_t t, const float* init, bool next, int64_t blocks, int slot) {
-  const void* after = next ? p.tile<char>(t + 1) : nullptr;
+auto tile_of(const Problem& p, int64_t t, const float* init, int64_t next, int64_t blocks, int slot) {
+  const void* after = next >= 0 ? p.tile<char>(next) : nullptr;
   if constexpr (std::is_same_v<W, float> || std::is_same_v<W, at::BFloat16> ||
                 std::is_same_v<W, at::Half>)
     return Tile<W>(p.tile<W>(t), init, after, blocks, p.lines);
   else
     return BlocksTile<W>(p.tile<uint8_t>(t), init, after, blocks, p.lines, p.K,
                          wide_tile(slot, p.K), p.M <= kQRegisterRows);
+}
+
+// The item this thread runs after `item` of its run [begin, end) of `items` (-1: none): the
+// next of the run, else a guess, the first of its next run if the threads take runs in turn.
+// Its tile is prefetched while this one's later row blocks run. Without the guess each run's
+// first tile was read at the memory's pace: a decode step's runs are a few tiles, and one
+// thread's run per thread instead (no guess needed) was as fast but lets a thread that loses
+// its core hold up half the op (docs/performance.md, CPU: 100 rows 6% faster, 2,048 level).
+// A wrong guess costs a prefetch the thread does not use.
+int64_t next_item(int64_t item, int64_t begin, int64_t end, int64_t items) {
+  if (item + 1 < end) return item + 1;
+  const int64_t guess = item + 1 + (at::get_num_threads() - 1) * (end - begin);
+  return guess < items ? guess : -1;
 }
 
 template <typename W>
@@ -448,8 +461,8 @@ void linear(const Problem& p, int64_t N, float* op) {
         init = padded;
       }
       const int64_t blocks = p.blocks(m0, m1);
-      const bool next = item + 1 < end && t + 1 < p.tiles && blocks > 1;
-      const auto tile = tile_of<W>(p, t, init, next, blocks, 0);
+      const int64_t next = blocks > 1 ? next_item(item, begin, end, p.chunks * p.tiles) : -1;
+      const auto tile = tile_of<W>(p, t, init, next < 0 ? -1 : next % p.tiles, blocks, 0);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t m = m0 + b * kRows;
         tile.block(b, std::min(kRows, m1 - m), p.x + m * p.ldx, p.ldx, p.K, op + m * N + t * kTile,
@@ -469,11 +482,11 @@ void linear_silu(const Problem& p, int64_t I, float* op) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item % pairs, u = t + pairs, m0 = item / pairs * p.chunk;
       const int64_t m1 = std::min(p.M, m0 + p.chunk), blocks = p.blocks(m0, m1);
-      const bool next = item + 1 < end && t + 1 < pairs && blocks > 1;
+      const int64_t next = blocks > 1 ? next_item(item, begin, end, p.chunks * pairs) : -1;
       const float* gate_bias = p.bias == nullptr ? nullptr : p.bias + t * kTile;
       const float* up_bias = p.bias == nullptr ? nullptr : p.bias + u * kTile;
-      const auto gate = tile_of<W>(p, t, gate_bias, next, blocks, 0);
-      const auto up = tile_of<W>(p, u, up_bias, next, blocks, 1);
+      const auto gate = tile_of<W>(p, t, gate_bias, next < 0 ? -1 : next % pairs, blocks, 0);
+      const auto up = tile_of<W>(p, u, up_bias, next < 0 ? -1 : next % pairs + pairs, blocks, 1);
       alignas(64) float g[kRows * kTile], v[kRows * kTile];
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t m = m0 + b * kRows, rows = std::min(kRows, m1 - m);
