@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 
-from flagserve.layers.cpu_quantized import packed_blocks, row_parts
+from flagserve.layers.cpu_quantized import all_float16, packed_blocks, row_parts
 from kernels import cpu_native
 from kernels.env import env_choice
 
@@ -146,8 +146,7 @@ def holds_bfloat16(weight: torch.Tensor, rows: int = 4096) -> bool:
 def holds_float16(weight: torch.Tensor, rows: int = 4096) -> bool:
     """Whether every value of a float32 weight is a float16 (it survives the round trip bit
     for bit), looked at `rows` rows at a time."""
-    return _every_part(weight, rows, lambda part: torch.equal(
-        part.half().float().view(torch.int32), part.view(torch.int32)))
+    return _every_part(weight, rows, all_float16)
 
 
 def _every_part(weight: torch.Tensor, rows: int, check) -> bool:

@@ -86,12 +86,18 @@ def row_parts(weight: torch.Tensor, rows: int) -> Iterator[torch.Tensor]:
     yield from weight[_PROBE_ROWS:].split(rows)
 
 
+def all_float16(values: torch.Tensor) -> bool:
+    """Whether every float32 value is a float16: it survives the round trip bit for bit (a NaN
+    may not)."""
+    return torch.equal(values.half().float().view(torch.int32), values.view(torch.int32))
+
+
 def _blocks(values: torch.Tensor, fmt: _Format
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """q [B, 32], d [B] and m [B] float16 for blocks of values [B, 32], or None."""
     if fmt.offset:
         m = values.amin(1)
-        if not torch.equal(m.half().float().view(torch.int32), m.view(torch.int32)):
+        if not all_float16(m):
             return None  # a minimum that no float16 m holds (or not a number)
         span = values.amax(1) - m
     else:
