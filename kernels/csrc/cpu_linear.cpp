@@ -325,7 +325,6 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 // The run length in [1, most] whose turns (run i to thread i % threads) leave the busiest
 // thread the fewest of `items`; the longest such.
 int64_t even_run(int64_t items, int64_t threads, int64_t most) {
-  threads = std::max<int64_t>(threads, 1);
   int64_t best = most, best_load = std::numeric_limits<int64_t>::max();
   for (int64_t run = most; run >= 1; --run) {
     const int64_t runs = (items + run - 1) / run, short_by = runs * run - items;
@@ -345,6 +344,9 @@ enum class Storage { kFloat, kBFloat16, kFloat16, kQ4_1, kQ8_0 };
 // pack_linear_weight(_q4_1 | _q8_0) of an [N, K] weight, and an optional [N] bias.
 struct Problem {
   int64_t M, K, tiles, ldx, chunk, chunks, tile_bytes, lines;
+  // The op's threads (the pool's), read here on the caller: a pool helper asking ATen would
+  // start OpenMP's lazy setup on its own thread (in a forked child, a stray OpenMP thread).
+  int64_t threads;
   Storage storage;
   const float *x, *bias;
   const void* w;
@@ -356,6 +358,7 @@ struct Problem {
                 "x: [M, K] float32, rows contiguous");
     TORCH_CHECK(packed.dim() == 3, "packed: pack_linear_weight(_q4_1 | _q8_0) of an [N, K] weight");
     M = xt.size(0), K = xt.size(1), tiles = packed.size(0), ldx = xt.stride(0);
+    threads = std::max<int64_t>(at::get_num_threads(), 1);
     using gguf_blocks::kBlock, gguf_blocks::kBytes;
     const bool blocks = packed.scalar_type() == at::kByte;
     storage = blocks && packed.size(2) == kBytes<gguf_blocks::Q4_1>   ? Storage::kQ4_1
@@ -395,7 +398,7 @@ struct Problem {
   int64_t grain(int64_t tiles_per_item) const {
     if (std::min(M, chunk) <= kRows) return 1;
     const int64_t most = std::max<int64_t>(kGrainTiles / tiles_per_item, 1);
-    return chunks > 1 ? most : even_run(tiles / tiles_per_item, at::get_num_threads(), most);
+    return chunks > 1 ? most : even_run(tiles / tiles_per_item, threads, most);
   }
 };
 
@@ -438,9 +441,9 @@ auto tile_of(const Problem& p, int64_t t, const float* init, int64_t next, int64
 // thread's run per thread instead (no guess needed) was as fast but lets a thread that loses
 // its core hold up half the op (docs/performance.md, CPU: 100 rows 6% faster, 2,048 level).
 // A wrong guess costs a prefetch the thread does not use.
-int64_t next_item(int64_t item, int64_t begin, int64_t end, int64_t items) {
+int64_t next_item(int64_t item, int64_t begin, int64_t end, int64_t items, int64_t threads) {
   if (item + 1 < end) return item + 1;
-  const int64_t guess = item + 1 + (at::get_num_threads() - 1) * (end - begin);
+  const int64_t guess = item + 1 + (threads - 1) * (end - begin);
   return guess < items ? guess : -1;
 }
 
@@ -461,7 +464,7 @@ void linear(const Problem& p, int64_t N, float* op) {
         init = padded;
       }
       const int64_t blocks = p.blocks(m0, m1);
-      const int64_t next = blocks > 1 ? next_item(item, begin, end, p.chunks * p.tiles) : -1;
+      const int64_t next = blocks > 1 ? next_item(item, begin, end, p.chunks * p.tiles, p.threads) : -1;
       const auto tile = tile_of<W>(p, t, init, next < 0 ? -1 : next % p.tiles, blocks, 0);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t m = m0 + b * kRows;
@@ -482,7 +485,7 @@ void linear_silu(const Problem& p, int64_t I, float* op) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item % pairs, u = t + pairs, m0 = item / pairs * p.chunk;
       const int64_t m1 = std::min(p.M, m0 + p.chunk), blocks = p.blocks(m0, m1);
-      const int64_t next = blocks > 1 ? next_item(item, begin, end, p.chunks * pairs) : -1;
+      const int64_t next = blocks > 1 ? next_item(item, begin, end, p.chunks * pairs, p.threads) : -1;
       const float* gate_bias = p.bias == nullptr ? nullptr : p.bias + t * kTile;
       const float* up_bias = p.bias == nullptr ? nullptr : p.bias + u * kTile;
       const auto gate = tile_of<W>(p, t, gate_bias, next < 0 ? -1 : next % pairs, blocks, 0);
