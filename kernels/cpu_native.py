@@ -217,10 +217,26 @@ def packed_linear_silu(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 
 def greedy_lm_head(x: torch.Tensor, weight: torch.Tensor, approx: torch.Tensor, norms: torch.Tensor,
-                   max_norm: float) -> torch.Tensor:
+                   max_norm: float, eta_norms: torch.Tensor | None = None,
+                   x_err: torch.Tensor | None = None) -> torch.Tensor:
     """[M] int64: the argmax of each row of x @ weight[:len(norms)].T in float32, found from
-    approx (the same in bfloat16; cpu_greedy_head.cpp), -1 where approx is not finite."""
-    return torch.ops.flagserve_cpu.greedy_lm_head(x, weight, approx, norms, max_norm)
+    approx (the same in bfloat16, or int8_logits' with its eta_norms and x_err;
+    cpu_greedy_head.cpp), -1 where approx is not finite."""
+    return torch.ops.flagserve_cpu.greedy_lm_head(x, weight, approx, norms, max_norm, eta_norms, x_err)
+
+
+def pack_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] float32 as int8_logits reads it: (packed int8, per-row scales, per-row
+    |w - scale * q| rounded up; cpu_int8_logits.cpp)."""
+    load_library()
+    return torch.ops.flagserve_cpu.pack_int8_rows(weight)
+
+
+def int8_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ weight[:n].T approximated from int8 weights and int16 inputs, in bfloat16; each
+    row's input rounding |eps|) for x [M, K] float32 (cpu_int8_logits.cpp)."""
+    return torch.ops.flagserve_cpu.int8_logits(x.contiguous(), packed, scales, n)
 
 
 def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,6 @@
 the head's tokens are its logits' argmax, a NaN row included; where it is built; and an engine
 gives the same tokens with it as without, for greedy batches and batches that mix in sampled
 rows and logprobs."""
-import dataclasses
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from flagserve.layers.embedding import ParallelLMHead
 from flagserve.layers.greedy_head import (
     AUTO_MIN_WEIGHTS,
     GREEDY_HEAD_ENV,
-    bf16_hardware,
+    Int8Logits,
+    auto_approximation,
     greedy_head_for,
 )
 from kernels import cpu_native
@@ -23,9 +23,12 @@ needs_native = pytest.mark.skipif(torch.cuda.is_available() or not cpu_native.av
                                   reason="the native kernels are CPU-only and need a C++ compiler")
 
 
-def _head(monkeypatch, seed: int) -> ParallelLMHead:
+KINDS = ["bf16", "int8"]
+
+
+def _head(monkeypatch, seed: int, kind: str) -> ParallelLMHead:
     """A random [1000, 64] head packed for the native kernel, with its greedy head."""
-    monkeypatch.setenv(GREEDY_HEAD_ENV, "on")
+    monkeypatch.setenv(GREEDY_HEAD_ENV, kind)
     torch.manual_seed(seed)
     head = ParallelLMHead(1000, 64)
     head.weight.data.normal_()
@@ -35,25 +38,25 @@ def _head(monkeypatch, seed: int) -> ParallelLMHead:
 
 
 @needs_native
-def test_head_tokens_are_its_logits_argmax(monkeypatch):
-    head = _head(monkeypatch, 0)
-    hidden = torch.randn(9, 64) * 3
+@pytest.mark.parametrize("kind", KINDS)
+def test_head_tokens_are_its_logits_argmax(monkeypatch, kind):
+    head = _head(monkeypatch, 0, kind)
+    hidden = torch.randn(30, 64) * 3
     hidden[4, 2] = float("nan")  # its logits are NaN: torch.argmax's answer, from the logits
+    hidden[7, 5] = float("inf")
+    hidden[9] = 0  # every logit 0: token 0, the first of a 1000-way tie
+    hidden[11, 3] = 400  # an outlier: the rest of its row rounds to few int16 levels
     with torch.inference_mode():
         assert torch.equal(head.greedy(hidden), head(hidden).argmax(-1))
-        # A head built for small steps (AVX512-BF16 alone) leaves larger ones to the logits.
-        head.greedy_head = dataclasses.replace(head.greedy_head, max_rows=9)
-        assert torch.equal(head.greedy(hidden), head(hidden).argmax(-1))
-        head.greedy_head = dataclasses.replace(head.greedy_head, max_rows=8)
-        assert head.greedy(hidden) is None
 
 
 @needs_native
-def test_head_tokens_with_a_grammar_mask_are_the_masked_logits_argmax(monkeypatch):
+@pytest.mark.parametrize("kind", KINDS)
+def test_head_tokens_with_a_grammar_mask_are_the_masked_logits_argmax(monkeypatch, kind):
     # Rows that allow everything, a few tokens (the best one masked out), one token, and none
     # (left to the logits: what the sampler picks there); a NaN row stays the logits' answer.
     from kernels.sampling import apply_token_bitmask_torch
-    head = _head(monkeypatch, 1)
+    head = _head(monkeypatch, 1, kind)
     hidden = torch.randn(6, 64) * 3
     hidden[5, 7] = float("nan")
     with torch.inference_mode():
@@ -77,8 +80,9 @@ def test_head_tokens_with_a_grammar_mask_are_the_masked_logits_argmax(monkeypatc
 @needs_native
 def test_built_for_a_native_float32_head_on_one_rank(monkeypatch):
     weight = torch.randn(100, 16)
-    monkeypatch.setenv(GREEDY_HEAD_ENV, "on")
-    assert greedy_head_for(weight, 100, "native", 1) is not None
+    for kind in KINDS:
+        monkeypatch.setenv(GREEDY_HEAD_ENV, kind)
+        assert isinstance(greedy_head_for(weight, 100, "native", 1).approx, Int8Logits) == (kind == "int8")
     assert greedy_head_for(weight, 100, "onednn", 1) is None
     assert greedy_head_for(weight, 100, "native", 2) is None
     assert greedy_head_for(weight.bfloat16(), 100, "native", 1) is None
@@ -88,15 +92,12 @@ def test_built_for_a_native_float32_head_on_one_rank(monkeypatch):
     assert greedy_head_for(weight, 100, "native", 1) is None  # small: the float32 head is as fast
     weight = torch.randn(AUTO_MIN_WEIGHTS // 16, 16)
     head = greedy_head_for(weight, weight.shape[0], "native", 1)
-    assert (head is not None) == (bf16_hardware() is not None)
-    if head is not None:  # every step with AMX, small ones with AVX512-BF16 alone
-        assert head.takes(1) and head.takes(1000) == (bf16_hardware() == "amx")
-    # a head the float32 kernel reads in bf16's bytes or fewer (bf16 values, GGUF blocks)
-    for hardware, kept in (("amx", True), ("avx512_bf16", False)):
-        monkeypatch.setattr(greedy_head, "bf16_hardware", lambda hardware=hardware: hardware)
-        assert (greedy_head_for(weight, weight.shape[0], "native", 1, compact=True)
-                is not None) == kept
-        assert greedy_head_for(weight, weight.shape[0], "native", 1) is not None
+    assert (head is not None) == (auto_approximation() is not None)
+    for kind in (*KINDS, None):  # AMX: bf16; AVX512-VNNI alone: int8; neither: the logits
+        monkeypatch.setattr(greedy_head, "auto_approximation", lambda kind=kind: kind)
+        head = greedy_head_for(weight, weight.shape[0], "native", 1)
+        assert (head is not None) == (kind is not None)
+        assert head is None or isinstance(head.approx, Int8Logits) == (kind == "int8")
     monkeypatch.setenv(GREEDY_HEAD_ENV, "yes")
     with pytest.raises(ValueError, match=GREEDY_HEAD_ENV):
         greedy_head_for(weight, 100, "native", 1)
@@ -106,13 +107,14 @@ def _run(llama_path, monkeypatch, mode, requests):
     monkeypatch.setenv(GREEDY_HEAD_ENV, mode)
     llm = LLM(llama_path, dtype="float32", device="cpu")
     head = llm.llm_engine.executor.runner.model.lm_head
-    assert (head.greedy_head is not None) == (mode == "on")
+    assert (head.greedy_head is not None) == (mode != "off")
     outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
 @needs_native
-def test_engine_tokens_with_and_without_it(llama_path, monkeypatch):
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_tokens_with_and_without_it(llama_path, monkeypatch, kind):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["The weather today is", "We cook rice and beans", "Old computers", "count to 42"]
     # the sampled row and the one with logprobs end first: the later steps are all greedy
@@ -125,4 +127,4 @@ def test_engine_tokens_with_and_without_it(llama_path, monkeypatch):
         StructuredOutputsParams(json=schema) if i % 2 else StructuredOutputsParams(regex="[a-z ]+"))))
         for i, p in enumerate(prompts)]
     for requests in ([(p, greedy) for p in prompts], mixed, constrained):
-        assert _run(llama_path, monkeypatch, "on", requests) == _run(llama_path, monkeypatch, "off", requests)
+        assert _run(llama_path, monkeypatch, kind, requests) == _run(llama_path, monkeypatch, "off", requests)

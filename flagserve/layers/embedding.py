@@ -44,14 +44,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Multiply by a packed copy of the weight from now on. The dense weight stays: with
         tied embeddings it is the embedding's."""
         self.packed = pack_weight(self.weight, mode)
-        self.greedy_head = greedy_head_for(self.weight, self.vocab_size, mode, self.tp_size,
-                                           self.packed.compact)
+        self.greedy_head = greedy_head_for(self.weight, self.vocab_size, mode, self.tp_size)
 
     def greedy(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor | None:
         """[N] int64: the argmax of each row of forward(hidden) (among the tokens `bitmask`
         allows: a grammar's, as the sampler applies it), or None where this head has no
         cheaper way to it than the logits."""
-        if self.greedy_head is None or not self.greedy_head.takes(hidden.shape[0]):
+        if self.greedy_head is None:
             return None
         tokens = self.greedy_head(hidden, bitmask)
         if bool((lost := tokens < 0).any()):  # a logit not finite: torch.argmax's answer
