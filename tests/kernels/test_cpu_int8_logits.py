@@ -93,7 +93,8 @@ def test_greedy_head_on_int8_logits_is_the_float32_argmax(vocab, k):
     approx, err = cpu_native.int8_logits(x, packed, scales, vocab)
     norms = weight.double().norm(dim=1) * (1 + 1e-6)
     tokens = cpu_native.greedy_lm_head(x, weight, approx, norms.float(), float(norms.max()), eta, err)
-    want = cpu_native.argmax_cpu(cpu_native.packed_linear(x, cpu_native.pack_linear_weight(weight), vocab, None))
+    packed32 = cpu_native.pack_linear_weight(weight)
+    want = cpu_native.argmax_cpu(cpu_native.packed_linear(x, packed32, vocab, None))
     assert tokens[4] == -1  # not finite: the caller computes its logits
     keep = torch.arange(25) != 4
     assert torch.equal(tokens[keep], want[keep]) and want[3] in (vocab // 3, vocab // 2)
