@@ -106,11 +106,6 @@ class PackedWeight:
         (KernelOps.packed_silu_and_mul) in one pass."""
         return self._native(kernel, x, bias, self.out_features // 2)
 
-    @property
-    def compact(self) -> bool:
-        """Whether the native kernel reads this weight in bf16's bytes or fewer."""
-        return self.few is not None or self.data.dtype in (torch.bfloat16, torch.float16)
-
     def for_rows(self, rows: int) -> torch.Tensor:
         """The native packing a step of `rows` rows reads."""
         return self.few if self.few is not None and rows <= FEW_ROWS else self.data
