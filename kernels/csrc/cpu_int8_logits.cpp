@@ -159,8 +159,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_int8_rows(const at::Tensor& 
     for (int64_t v = begin; v < end; ++v) {
       const float* row = wp + v * K;
       float most = 0.f;
-      for (int64_t k = 0; k < K; ++k) most = std::max(most, std::abs(row[k]));
-      const float s = most / 127.f;
+      bool finite = true;
+      for (int64_t k = 0; k < K; ++k) {
+        most = std::max(most, std::abs(row[k]));  // a NaN is skipped here: `finite` sees it
+        finite = finite && std::isfinite(row[k]);
+      }
+      // A row that is not finite gets NaN logits: the greedy head then leaves every row to
+      // the float32 logits (and no NaN reaches an int8 cast).
+      const float s = finite ? most / 127.f : std::numeric_limits<float>::quiet_NaN();
       int8_t* col = pp + (v / kCols) * P * 2 * kCols + 2 * (v % kCols);
       double squares = 0;
       for (int64_t k = 0; k < K; ++k) {

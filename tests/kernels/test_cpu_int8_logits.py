@@ -98,3 +98,16 @@ def test_greedy_head_on_int8_logits_is_the_float32_argmax(vocab, k):
     assert tokens[4] == -1  # not finite: the caller computes its logits
     keep = torch.arange(25) != 4
     assert torch.equal(tokens[keep], want[keep]) and want[3] in (vocab // 3, vocab // 2)
+
+
+def test_a_weight_row_not_finite_leaves_every_row_to_the_logits():
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(100, 40, generator=gen)
+    weight[5, 3], weight[9, 0] = float("nan"), float("inf")
+    x = torch.randn(6, 40, generator=gen)
+    packed, scales, eta = cpu_native.pack_int8_rows(weight)
+    approx, err = cpu_native.int8_logits(x, packed, scales, 100)
+    assert approx[:, [5, 9]].isnan().all() and approx[:, :5].isfinite().all()
+    norms = weight.double().norm(dim=1) * (1 + 1e-6)
+    tokens = cpu_native.greedy_lm_head(x, weight, approx, norms.float(), float(norms.max()), eta, err)
+    assert (tokens == -1).all()
