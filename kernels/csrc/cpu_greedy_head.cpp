@@ -2,9 +2,10 @@
 // bfloat16 logits and a float32 recompute of the few tokens that could be it.
 //
 // A greedy row needs only the argmax of its logits, and the LM head is a large share of a
-// decode step (SmolLM2's [49152, 576] is a fifth of its weights and FLOPs). oneDNN's bfloat16
-// matmul (AMX, AVX512-BF16) gives every logit to within a bound, several times faster than
-// the float32 kernel (docs/performance.md, CPU). Every token whose bf16 logit plus its bound
+// decode step (SmolLM2's [49152, 576] is a fifth of its weights and FLOPs). A cheaper product
+// gives every logit to within a bound: oneDNN's bfloat16 matmul where AMX runs it, int8
+// weights and int16 inputs where AVX512-VNNI does (cpu_int8_logits.cpp), either faster than
+// the float32 kernel (docs/performance.md, CPU). Every token whose logit plus its bound
 // reaches the row's best lower bound is a candidate; the others are provably below the
 // float32 maximum. Each candidate is recomputed exactly as packed_linear computes it (one
 // float32 FMA chain over k in order, from zero: cpu_linear.cpp), and the first largest of

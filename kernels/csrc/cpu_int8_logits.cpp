@@ -72,7 +72,8 @@ inline at::BFloat16 logit(int32_t sum, float s, float t) {
 inline __m256i to_bf16(__m512 f) {
   const __m512i bits = _mm512_castps_si512(f);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
 }
@@ -92,8 +93,9 @@ void tile_rows(const int32_t* x, int64_t P, const int8_t* tile, const float* s, 
   for (int64_t p = 0; p < P; ++p) {
     const int8_t* w = tile + p * 2 * kCols;
     __builtin_prefetch(w + kAheadBytes, 0, 3);
-    const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-    const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kCols)));
+    const auto* half = reinterpret_cast<const __m256i*>(w);
+    const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(half));
+    const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(half + 1));
     for (int r = 0; r < R; ++r) {
       const __m512i xb = _mm512_set1_epi32(x[r * P + p]);
       acc[r][0] = (I32x16)_mm512_dpwssd_epi32((__m512i)acc[r][0], xb, w0);
@@ -103,8 +105,10 @@ void tile_rows(const int32_t* x, int64_t P, const int8_t* tile, const float* s, 
   const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
   for (int r = 0; r < R; ++r) {
     const __m512 tr = _mm512_set1_ps(t[r]);
-    const __m256i lo = to_bf16(_mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)acc[r][0]), s0), tr));
-    const __m256i hi = to_bf16(_mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)acc[r][1]), s1), tr));
+    const auto scaled = [&](int j, __m512 sj) {  // float(I) * s * t, the order of logit()
+      return to_bf16(_mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)acc[r][j]), sj), tr));
+    };
+    const __m256i lo = scaled(0, s0), hi = scaled(1, s1);
     at::BFloat16* o = out + r * ldo;
     if (cols == kCols) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), lo);
@@ -182,39 +186,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_int8_rows(const at::Tensor& 
   return {packed, scales, eta};
 }
 
-// x [M, K] float32 against pack_int8_rows' packing -> (approx [M, n] bfloat16, x_err [M]
-// float32: |eps| of each row's int16 rounding, rounded up; a row that is not finite gets NaN
-// logits).
-std::tuple<at::Tensor, at::Tensor> int8_logits(const at::Tensor& x, const at::Tensor& packed,
-                                               const at::Tensor& scales, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: [M, K] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
-              packed.size(1) == pairs(x.size(1)) && packed.size(2) == 2 * kCols, "packed: pack_int8_rows(weight [N, K])");
-  TORCH_CHECK(scales.numel() == packed.size(0) * kCols && scales.scalar_type() == at::kFloat, "scales: pack_int8_rows'");
-  TORCH_CHECK(n > 0 && n <= packed.size(0) * kCols, "n: the tokens to compute, at most the packing's");
-  const int64_t M = x.size(0), K = x.size(1), P = pairs(K), Q = x_levels(K);
-  std::vector<int32_t> xq(M * P);  // int16 pairs, one 32-bit word each
-  std::vector<float> t(M);
-  at::Tensor err = at::empty({M}, x.options());
-  const float* xp = x.data_ptr<float>();
+// Each row of x [M, K] as int16 pairs (xq, [M][ceil(K / 2)] words) at its own scale t, and
+// |eps| of its rounding (err, rounded up); a row that is not finite gets t = err = NaN.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Q, int32_t* xq, float* t,
+                   float* err) {
+  const int64_t P = pairs(K);
+  std::vector<int16_t> q(2 * P);
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = xp + m * K;
+    const float* row = x + m * K;
     float most = 0.f;
-    for (int64_t k = 0; k < K; ++k) most = std::max(most, std::abs(row[k]));  // NaN: ignored
-    bool finite = std::isfinite(most);
-    for (int64_t k = 0; k < K; ++k) finite = finite && !std::isnan(row[k]);
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      most = std::max(most, std::abs(row[k]));  // a NaN is skipped here: `finite` sees it
+      finite = finite && std::isfinite(row[k]);
+    }
     t[m] = finite ? most / static_cast<float>(Q) : std::numeric_limits<float>::quiet_NaN();
-    std::vector<int16_t> q(2 * P, 0);
+    std::fill(q.begin(), q.end(), 0);
     double squares = 0;
     for (int64_t k = 0; k < K && finite; ++k) {
       const float v = t[m] > 0.f ? std::clamp(std::nearbyint(row[k] / t[m]), -float(Q), float(Q)) : 0.f;
       q[k] = static_cast<int16_t>(v);
-      const double e = double(row[k]) - double(t[m]) * v;
+      const double e = double(row[k]) - double(t[m]) * v;  // exact: t v has 39 bits
       squares += e * e;
     }
-    std::memcpy(xq.data() + m * P, q.data(), P * sizeof(int32_t));
-    err.data_ptr<float>()[m] = finite ? static_cast<float>(std::sqrt(squares) * (1 + 1e-6)) : t[m];
+    std::memcpy(xq + m * P, q.data(), P * sizeof(int32_t));
+    err[m] = finite ? static_cast<float>(std::sqrt(squares) * (1 + 1e-6)) : t[m];
   }
+}
+
+// x [M, K] float32 against pack_int8_rows' packing -> (approx [M, n] bfloat16, x_err [M]
+// float32: quantize_rows' err).
+std::tuple<at::Tensor, at::Tensor> int8_logits(const at::Tensor& x, const at::Tensor& packed,
+                                               const at::Tensor& scales, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "x: [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+              packed.size(1) == pairs(x.size(1)) && packed.size(2) == 2 * kCols,
+              "packed: pack_int8_rows(weight [N, K])");
+  TORCH_CHECK(scales.numel() == packed.size(0) * kCols && scales.scalar_type() == at::kFloat,
+              "scales: pack_int8_rows'");
+  TORCH_CHECK(n > 0 && n <= packed.size(0) * kCols, "n: the tokens to compute, at most the packing's");
+  const int64_t M = x.size(0), K = x.size(1), P = pairs(K);
+  std::vector<int32_t> xq(M * P);
+  std::vector<float> t(M);
+  at::Tensor err = at::empty({M}, x.options());
+  quantize_rows(x.data_ptr<float>(), M, K, x_levels(K), xq.data(), t.data(), err.data_ptr<float>());
   at::Tensor out = at::empty({M, n}, x.options().dtype(at::kBFloat16));
   const int8_t* pp = packed.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
