@@ -31,8 +31,8 @@ from kernels import cpu_native
 from kernels.env import env_choice
 from kernels.sampling import apply_token_bitmask_torch
 
-GreedyHeadMode = Literal["auto", "bf16", "int8", "off"]
 Approximation = Literal["bf16", "int8"]
+GreedyHeadMode = Literal["auto", Approximation, "off"]
 GREEDY_HEAD_ENV = "FLAGSERVE_CPU_GREEDY_HEAD"
 AUTO_MIN_WEIGHTS = 16 << 20  # SmolLM2's head: 28M
 
