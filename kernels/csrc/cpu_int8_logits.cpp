@@ -67,6 +67,33 @@ inline at::BFloat16 logit(int32_t sum, float s, float t) {
   return at::BFloat16(static_cast<float>(sum) * s * t);
 }
 
+// A row's scale, its largest |value| over `levels`; NaN where a value is not finite: its
+// logits are then NaN, which leaves every row to the float32 logits (and no NaN reaches an
+// integer cast).
+float row_scale(const float* row, int64_t K, float levels) {
+  float most = 0.f;
+  bool finite = true;
+  for (int64_t k = 0; k < K; ++k) {
+    most = std::max(most, std::abs(row[k]));  // a NaN is skipped here: `finite` sees it
+    finite = finite && std::isfinite(row[k]);
+  }
+  return finite ? most / levels : std::numeric_limits<float>::quiet_NaN();
+}
+
+// put(k, q) for each value's nearest multiple of s, q in [-levels, levels] (0 where s is 0 or
+// NaN); returns |row - s q|, rounded up (NaN with s).
+template <typename Put>
+float quantize_row(const float* row, int64_t K, float s, float levels, Put&& put) {
+  double squares = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const float q = s > 0.f ? std::clamp(std::nearbyint(row[k] / s), -levels, levels) : 0.f;
+    put(k, q);
+    const double err = double(row[k]) - double(s) * q;  // exact: s q has at most 39 bits
+    squares += err * err;
+  }
+  return static_cast<float>(std::sqrt(squares) * (1 + 1e-6));  // up, past float's rounding
+}
+
 #ifdef FLAGSERVE_VNNI
 // 16 floats to bfloat16 as at::BFloat16 rounds them (nearest even; NaN as 0x7FC0).
 inline __m256i to_bf16(__m512 f) {
@@ -162,25 +189,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_int8_rows(const at::Tensor& 
   pool::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t v = begin; v < end; ++v) {
       const float* row = wp + v * K;
-      float most = 0.f;
-      bool finite = true;
-      for (int64_t k = 0; k < K; ++k) {
-        most = std::max(most, std::abs(row[k]));  // a NaN is skipped here: `finite` sees it
-        finite = finite && std::isfinite(row[k]);
-      }
-      // A row that is not finite gets NaN logits: the greedy head then leaves every row to
-      // the float32 logits (and no NaN reaches an int8 cast).
-      const float s = finite ? most / 127.f : std::numeric_limits<float>::quiet_NaN();
       int8_t* col = pp + (v / kCols) * P * 2 * kCols + 2 * (v % kCols);
-      double squares = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        const float q = s > 0.f ? std::clamp(std::nearbyint(row[k] / s), -127.f, 127.f) : 0.f;
+      sp[v] = row_scale(row, K, 127.f);
+      ep[v] = quantize_row(row, K, sp[v], 127.f, [&](int64_t k, float q) {
         col[(k / 2) * 2 * kCols + k % 2] = static_cast<int8_t>(q);
-        const double err = double(row[k]) - double(s) * q;  // exact: s q has 31 bits
-        squares += err * err;
-      }
-      sp[v] = s;
-      ep[v] = static_cast<float>(std::sqrt(squares) * (1 + 1e-6));  // up, past float's rounding
+      });
     }
   });
   return {packed, scales, eta};
@@ -191,26 +204,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_int8_rows(const at::Tensor& 
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Q, int32_t* xq, float* t,
                    float* err) {
   const int64_t P = pairs(K);
-  std::vector<int16_t> q(2 * P);
+  std::vector<int16_t> q(2 * P, 0);  // the odd K's last pair ends in a zero
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
-    float most = 0.f;
-    bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      most = std::max(most, std::abs(row[k]));  // a NaN is skipped here: `finite` sees it
-      finite = finite && std::isfinite(row[k]);
-    }
-    t[m] = finite ? most / static_cast<float>(Q) : std::numeric_limits<float>::quiet_NaN();
-    std::fill(q.begin(), q.end(), 0);
-    double squares = 0;
-    for (int64_t k = 0; k < K && finite; ++k) {
-      const float v = t[m] > 0.f ? std::clamp(std::nearbyint(row[k] / t[m]), -float(Q), float(Q)) : 0.f;
-      q[k] = static_cast<int16_t>(v);
-      const double e = double(row[k]) - double(t[m]) * v;  // exact: t v has 39 bits
-      squares += e * e;
-    }
+    t[m] = row_scale(row, K, float(Q));
+    err[m] = quantize_row(row, K, t[m], float(Q), [&](int64_t k, float v) { q[k] = int16_t(v); });
     std::memcpy(xq + m * P, q.data(), P * sizeof(int32_t));
-    err[m] = finite ? static_cast<float>(std::sqrt(squares) * (1 + 1e-6)) : t[m];
   }
 }
 
