@@ -103,27 +103,6 @@ def test_built_for_a_native_float32_head_on_one_rank(monkeypatch):
         greedy_head_for(weight, 100, "native", 1)
 
 
-@needs_native
-def test_copy_bytes_are_what_the_copy_holds(monkeypatch):
-    """What `action=plan` adds for the greedy head: the int8 packing's (and bf16's) bytes."""
-    weight = torch.randn(1000, 65)
-    monkeypatch.setenv(GREEDY_HEAD_ENV, "int8")
-    approx = Int8Logits(weight)
-    held = sum(t.nbytes for t in (approx._packed, approx._scales, approx.eta_norms))  # noqa: SLF001
-    assert greedy_head.copy_bytes(1000, 65, 1) == held
-    assert greedy_head.copy_bytes(1000, 65, 2) == 0  # none on a tensor-parallel rank
-    monkeypatch.setenv(GREEDY_HEAD_ENV, "bf16")
-    assert greedy_head.copy_bytes(1000, 65, 1) == 2 * 1000 * 65
-    monkeypatch.setenv(GREEDY_HEAD_ENV, "off")
-    assert greedy_head.copy_bytes(1000, 65, 1) == 0
-    monkeypatch.setenv(GREEDY_HEAD_ENV, "auto")
-    monkeypatch.setattr(greedy_head, "auto_approximation", lambda: "int8")
-    assert greedy_head.copy_bytes(1000, 65, 1) == 0  # small: auto builds none
-    assert greedy_head.copy_bytes(49152, 576, 1) == 49152 * (576 + 4) + 4 * 49152
-    monkeypatch.setattr(greedy_head, "auto_approximation", lambda: None)
-    assert greedy_head.copy_bytes(49152, 576, 1) == 0
-
-
 def _run(llama_path, monkeypatch, mode, requests):
     monkeypatch.setenv(GREEDY_HEAD_ENV, mode)
     llm = LLM(llama_path, dtype="float32", device="cpu")

@@ -50,19 +50,6 @@ def auto_approximation() -> Approximation | None:
     return "int8" if {"avx512_vnni", "avx512bw"} <= flags else None
 
 
-def copy_bytes(vocab_size: int, hidden_size: int, tp_size: int) -> int:
-    """Bytes of the copy of a float32 LM head [vocab, hidden] that `auto` keeps on this CPU
-    (for `action=plan`): int8 rows with a scale and |eta| each, or bf16."""
-    mode = greedy_head_mode()
-    if tp_size != 1 or mode == "off":
-        return 0
-    kind = mode if mode != "auto" else \
-        auto_approximation() if vocab_size * hidden_size >= AUTO_MIN_WEIGHTS else None
-    tokens = -(-vocab_size // 32) * 32  # whole tiles of the int8 packing
-    return {None: 0, "int8": tokens * (hidden_size + hidden_size % 2 + 4) + 4 * vocab_size,
-            "bf16": 2 * vocab_size * hidden_size}[kind]
-
-
 class Approx(Protocol):
     """Approximate logits of an LM head [V, K] and what the bound needs beyond the bf16 one."""
     eta_norms: torch.Tensor | None  # int8: |w_v - s_v q_v| per token

@@ -20,7 +20,6 @@ from flagserve.config.errors import ConfigError
 from flagserve.config.schema import LLMModule
 from flagserve.config.topology import engine_args_for
 from flagserve.engine.kv_budget import capacity_blocks, kv_budget_bytes
-from flagserve.layers import greedy_head
 from flagserve.models.config import DTYPE_BYTES, ModelConfig, auto_dtype, load_model_config
 from flagserve.models.gguf import gguf_cpu_block_bytes, gguf_param_count
 
@@ -84,8 +83,6 @@ def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
     weights = params * elem // (tp * pp)
     if not gpu and cfg.checkpoint_format == "gguf" and dtype == "float32":
         weights += gguf_cpu_block_bytes(args.model) // (tp * pp)
-    if not gpu and dtype == "float32":  # the greedy LM head's copy (on the last stage)
-        weights += greedy_head.copy_bytes(cfg.vocab_size, cfg.hidden_size, tp)
     kv_heads = max(1, cfg.num_key_value_heads // tp)
     kv_per_token = 2 * math.ceil(cfg.num_hidden_layers / pp) * kv_heads * cfg.head_dim * elem
     max_model_len = args.max_model_len or cfg.max_position_embeddings
