@@ -8,7 +8,8 @@ is the float32 argmax's, not an approximation). Two approximations, one interfac
   int32 sums by AVX512-VNNI; a quarter of float32's bytes and twice its products per
   instruction;
 - bf16 (`Bf16Logits`): oneDNN's bfloat16 matmul, fast where AMX multiplies it; without AMX,
-  AVX512-BF16's dot product issues at half a float32 FMA's rate (docs/performance.md, CPU).
+  AVX512-BF16's dot product makes half as many products per cycle as float32 FMAs
+  (docs/performance.md, CPU).
 For an LM head packed for the native float32 kernel, on one tensor-parallel rank.
 FLAGSERVE_CPU_GREEDY_HEAD:
 - auto (default): bf16 with AMX, else int8 with AVX512-VNNI, in every greedy step; only for

@@ -1,10 +1,10 @@
 // Approximate logits for the greedy LM head (cpu_greedy_head.cpp) in integer arithmetic: each
 // weight row quantized to int8 with its own scale, each input row to int16 with its own, and
 // the dot products summed exactly in int32 by AVX512-VNNI's vpdpwssd (two int16 products per
-// 32-bit lane). Where a CPU has no AMX, its bfloat16 dot product (vdpbf16ps) issues at half
-// the rate of a float32 FMA, so bf16 logits cost more than the float32 head; vpdpwssd issues
-// at the FMA's rate with twice its products, and the weights are a quarter of float32's bytes
-// (docs/performance.md, CPU).
+// 32-bit lane). Where a CPU has no AMX, its bfloat16 dot product (vdpbf16ps) makes half as
+// many products per cycle as float32 FMAs, so bf16 logits cost more than the float32 head;
+// vpdpwssd issues at the FMA's rate with twice its products, and the weights are a quarter of
+// float32's bytes (docs/performance.md, CPU).
 //
 // What the greedy head needs is a bound on |approx - float32 logit|, per row m and token v:
 // with x = t qx + eps (the row's scale t, |qx| <= Q) and w_v = s_v qw_v + eta_v (|qw| <= 127),
