@@ -14,6 +14,8 @@
 // This file returns |eps| per row (x_err) and the packing |eta_v| per token (eta_norms); the
 // greedy head adds the float32 chain's own error and the roundings.
 #include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include "cpu_pool.h"
@@ -27,13 +29,14 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #define FLAGSERVE_VNNI 1
 #endif
 
 namespace {
 
+using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kCols = 32;  // a tile: 32 tokens, two vectors of 16 int32 lanes
 constexpr int64_t kRows = 12;  // rows summed at once: 24 accumulators, 2 weights, 1 broadcast
 constexpr int64_t kGrain = 8;  // tiles a thread takes at a time
@@ -49,8 +52,8 @@ int64_t x_levels(int64_t K) {
   return std::min<int64_t>(16383, ((int64_t{1} << 31) - 1) / (2 * pairs(K) * 127));
 }
 
-// One int32 sum of a row's int16 pairs against a tile column's int8 pairs: the fallback's and
-// the reference's arithmetic (the vector path gives the same exact sums).
+// One int32 sum of a row's int16 pairs against a tile column's int8 pairs: the fallback's
+// arithmetic (the vector path's sums are the same, exact).
 int32_t dot_pairs(const int32_t* xp, const int8_t* tile, int64_t P, int64_t col) {
   int32_t sum = 0;
   for (int64_t p = 0; p < P; ++p) {
@@ -62,7 +65,8 @@ int32_t dot_pairs(const int32_t* xp, const int8_t* tile, int64_t P, int64_t col)
   return sum;
 }
 
-// float(I) * s * t, rounded to bfloat16 (nearest even): the one formula of both paths.
+// float(I) * s * t, rounded to bfloat16 (nearest even): the fallback's; tile_rows computes the
+// same in vectors.
 inline at::BFloat16 logit(int32_t sum, float s, float t) {
   return at::BFloat16(static_cast<float>(sum) * s * t);
 }
@@ -95,16 +99,6 @@ float quantize_row(const float* row, int64_t K, float s, float levels, Put&& put
 }
 
 #ifdef FLAGSERVE_VNNI
-// 16 floats to bfloat16 as at::BFloat16 rounds them (nearest even; NaN as 0x7FC0).
-inline __m256i to_bf16(__m512 f) {
-  const __m512i bits = _mm512_castps_si512(f);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 // 16 int32 lanes. The accumulators are of this type, not __m512i (8 int64 lanes): with
 // __m512i, GCC 12 kept them on the stack or copied each between registers on every sum (66
 // moves per 24 sums); with int32 lanes the loop is the 24 sums, 12 broadcasts and 2 loads.
@@ -129,23 +123,15 @@ void tile_rows(const int32_t* x, int64_t P, const int8_t* tile, const float* s, 
       acc[r][1] = (I32x16)_mm512_dpwssd_epi32((__m512i)acc[r][1], xb, w1);
     }
   }
-  const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+  const Vec s0 = Vec::loadu(s), s1 = Vec::loadu(s + 16);
   for (int r = 0; r < R; ++r) {
-    const __m512 tr = _mm512_set1_ps(t[r]);
-    const auto scaled = [&](int j, __m512 sj) {  // float(I) * s * t, the order of logit()
-      return to_bf16(_mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)acc[r][j]), sj), tr));
+    const Vec tr(t[r]);
+    const auto scaled = [&](int j, const Vec& sj) {  // float(I) * s * t, the order of logit()
+      return Vec(_mm512_cvtepi32_ps((__m512i)acc[r][j])) * sj * tr;
     };
-    const __m256i lo = scaled(0, s0), hi = scaled(1, s1);
-    at::BFloat16* o = out + r * ldo;
-    if (cols == kCols) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), hi);
-    } else {  // the last tile of a vocabulary that is not a multiple of 32
-      at::BFloat16 row[kCols];
-      std::memcpy(row, &lo, sizeof(lo));
-      std::memcpy(row + 16, &hi, sizeof(hi));
-      std::copy(row, row + cols, o);
-    }
+    // rounded to nearest even as at::BFloat16 does; the last tile of a vocabulary that is not
+    // a multiple of 32 stores its `cols`
+    at::vec::convert_from_float<at::BFloat16>(scaled(0, s0), scaled(1, s1)).store(out + r * ldo, cols);
   }
 }
 
