@@ -71,6 +71,28 @@ def test_final_only_is_one_output_equal_to_the_last_cumulative_one(engine):
     assert len({len(c.token_ids) for c in final.outputs}) > 1  # the samples did end apart
 
 
+def test_delta_outputs_carry_each_finished_sample_once(engine):
+    """n samples that end apart: a sample's finish is in one DELTA output, later outputs leave
+    it out (a stream would repeat its end), and the deltas still add up to the final outputs."""
+    def params(kind: RequestOutputKind, stop_ids: list[int]) -> SamplingParams:
+        return SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=12, stop_token_ids=stop_ids,
+                              output_kind=kind)
+
+    engine.add_request("probe", "Old computers", params(RequestOutputKind.CUMULATIVE, []))
+    stop = [drain(engine)[-1].outputs[0].token_ids[2]]  # sample 0 ends by its third token
+    engine.add_request("final", "Old computers", params(RequestOutputKind.FINAL_ONLY, stop))
+    [final] = drain(engine)
+    engine.add_request("delta", "Old computers", params(RequestOutputKind.DELTA, stop))
+    deltas = drain(engine)
+    ends = [c.index for out in deltas for c in out.outputs if c.finish_reason is not None]
+    assert sorted(ends) == [0, 1, 2]  # each sample's end exactly once
+    assert len({len(c.token_ids) for c in final.outputs}) > 1  # the samples did end apart
+    for want in final.outputs:
+        mine = [c for out in deltas for c in out.outputs if c.index == want.index]
+        assert [t for c in mine for t in c.token_ids] == want.token_ids
+        assert "".join(c.text for c in mine) == want.text
+
+
 @pytest.mark.parametrize("kind", [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA])
 def test_without_detokenize_the_tokens_are_the_same_and_there_is_no_text(engine, kind):
     """vLLM's detokenize=False: the same tokens and logprobs, no text anywhere."""

@@ -5,7 +5,7 @@ The offline `LLM` loops over step(); the server drives the same loop from an asy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flagserve.engine.block_manager import BlockManager
 from flagserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -61,6 +61,9 @@ class RequestState:
     error: str | None = None  # the engine ended it (a failed KV transfer)
     hold: int = 0  # characters held back: they may turn out to be the start of a stop string
     sent_prompt_logprobs: bool = False  # DELTA outputs: the one that carried them went out
+    # DELTA outputs: sequences whose finish went out; later outputs leave them out (a stream of
+    # n choices would otherwise repeat each finished one's end until the last finishes)
+    sent_finish: set[int] = field(default_factory=set)
 
     @property
     def finished(self) -> bool:
@@ -412,7 +415,8 @@ class LLMEngine:
         if finished:
             metrics.finished_time = time.time()
         completions = [self._completion(state, seq, detok, kind)
-                       for seq, detok in zip(state.seqs, state.detokenizers)]
+                       for seq, detok in zip(state.seqs, state.detokenizers)
+                       if seq.index not in state.sent_finish]
         metrics.num_cached_tokens = max(s.num_cached_tokens for s in state.seqs)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
                              finished, metrics, metrics.num_cached_tokens, state.error,
@@ -441,6 +445,8 @@ class LLMEngine:
             logprobs = logprobs[sent:] if logprobs is not None else None
             state.sent_text[i] += len(text)
             state.sent_tokens[i] += len(tokens)
+            if seq.is_finished:
+                state.sent_finish.add(i)
         else:
             tokens = seq.output_token_ids
             logprobs = list(logprobs) if logprobs is not None else None

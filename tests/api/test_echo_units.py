@@ -65,7 +65,7 @@ async def full(fmt, *streams):
 
 
 async def streamed(fmt, *streams):
-    return events([e async for e in fmt.stream(batches(list(streams)), include_usage=False)])
+    return events([e async for e in fmt.stream(batches(list(streams)), usage="none")])
 
 
 def lm_eval_reading(choice: dict, ctxlen: int) -> tuple[float, bool]:

@@ -78,6 +78,9 @@ def test_auto_output_becomes_content_and_tool_calls():
     assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
     plain = full_message(ToolOutput("auto", HermesParser), "Just text.")
     assert plain == {"role": "assistant", "content": "Just text."}
+    # parallel_tool_calls: false keeps the first call alone (vLLM's filter)
+    first = full_message(ToolOutput("auto", HermesParser, parallel=False), TWO)["tool_calls"]
+    assert [c["function"]["name"] for c in first] == ["weather"]
 
 
 def test_streamed_deltas_index_calls_and_hold_them_until_whole():
@@ -148,3 +151,21 @@ def test_a_template_blind_to_tools_gets_them_in_the_system_message(llama_path):
     text = shown.tokenizer.decode(shown.encode_chat([{"role": "user", "content": "Hi"}], False,
                                                     {"tools": tools}, None, True))
     assert text == "TOOLS:weather;<user>Hi</user>"
+
+
+PARTS = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+
+
+@pytest.mark.parametrize("template, text", [
+    # concatenates content: a list would fail (SmolLM2's) or be written as its repr
+    ("{% for m in messages %}{{ '<' + m.role + '>' + m.content }}{% endfor %}", "<user>Hi\nthere"),
+    ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}", "<user>Hi\nthere"),
+    # takes parts (Qwen3's way): they reach it as sent
+    ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}"
+     "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}{% endfor %}", "<user>Hithere"),
+])
+def test_text_parts_reach_the_template_as_it_takes_them(llama_path, template, text):
+    """vLLM's content formats: parts joined by newlines for a template that takes strings."""
+    tok = PromptTokenizer(llama_path)
+    tok.tokenizer.chat_template = template
+    assert tok.tokenizer.decode(tok.encode_chat(PARTS, False, None)) == text

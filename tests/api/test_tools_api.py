@@ -67,6 +67,19 @@ def test_streamed_named_call_arrives_in_pieces_that_join(url):
     assert [c[0]["finish_reason"] for c in events(r) if c][-1] == "tool_calls"
 
 
+def test_streamed_choices_end_once_with_their_own_calls(url):
+    """n choices that end apart: each choice's calls and finish arrive once (a finished choice
+    is not repeated in later events)."""
+    r = chat(url, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=3,
+             temperature=1.0, seed=3, max_tokens=60, stream=True)
+    choices = [c for e in events(r) for c in e]
+    for index in range(3):
+        mine = [c for c in choices if c["index"] == index]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["tool_calls"], mine
+        calls = [t for c in mine for t in c["delta"].get("tool_calls", [])]
+        assert len(calls) == 1 and calls[0]["index"] == 0, calls
+
+
 # The tiny model's random weights never write <tool_call> of themselves: a grammar makes them,
 # so that `auto` is tested through the engine, the parser and the stream.
 FORCED = {"regex": r'Hi <tool_call>\{"name": "flag", "arguments": \{"ok": (true|false)\}\}</tool_call>'}
@@ -108,6 +121,8 @@ def test_the_follow_up_turn_is_accepted_and_rendered(url):
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
       "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}]},
+     "tools"),  # auto: the model may call it, and the client parses by that schema
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tools_are_400_naming_the_field(url, body, param):

@@ -9,7 +9,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from flagserve.entrypoints.openai.checks import check_completion
+from flagserve.entrypoints.openai.checks import check_chat, check_completion
 from flagserve.entrypoints.openai.errors import OpenAIError
 from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -31,6 +31,19 @@ REFUSED = [  # request, extra fields, the param named, a word of the message
     (COMPLETION, {"guided_regex": "a+"}, "guided_regex", "structured_outputs.regex"),
     (COMPLETION, {"functions": []}, "functions", "unknown field"),  # not a completions field
     (COMPLETION, {"max_new_tokens": 3}, "max_new_tokens", "max_tokens"),
+    # unknown keys inside the fields' objects too
+    (CHAT, {"response_format": {"type": "json_object", "schema": {}}}, "response_format", "unknown"),
+    (CHAT, {"response_format": {"type": "text", "json_schema": {"name": "x"}}}, "response_format",
+     "only with type 'json_schema'"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "foo": 1}}},
+     "response_format", "unknown"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}, "x": 1}]}, "tools", "unknown"),
+    (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f", "arguments": "{}"}}},
+     "tool_choice", "unknown"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}]},
+     "messages", "unknown"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+     "messages", "'image_url' are not supported"),
 ]
 
 
@@ -56,6 +69,17 @@ ACCEPTED = [  # they label or route the request on OpenAI's side; the output is 
 def test_output_neutral_fields_are_accepted(request_, extra):
     model, base = request_
     parse_request(model, {**base, **extra})
+
+
+def test_stream_options_need_stream():
+    """vLLM's rule: stream_options without stream would be unused."""
+    for model, base in (CHAT, COMPLETION):
+        check = check_completion if model is CompletionRequest else check_chat
+        options = {"stream_options": {"include_usage": True}}
+        with pytest.raises(OpenAIError) as err:
+            check(parse_request(model, {**base, **options}))
+        assert (err.value.status, err.value.param) == (400, "stream_options")
+        check(parse_request(model, {**base, **options, "stream": True}))
 
 
 def _sent_bodies(call) -> list[dict]:

@@ -180,16 +180,22 @@ def test_chunks_that_arrive_together_leave_as_one_sse_event():
         fmt = CompletionFormat(Header("cmpl-1", "m"), n=1, logprobs=None)
         out = events([e async for e in fmt.stream(batches([
             stream(chunk("ab"), chunk("c", finish="length")),
-            stream(chunk("x"), chunk("yz", finish="stop"))]), include_usage=True)])
+            stream(chunk("x"), chunk("yz", finish="stop"))]), usage="last")])
         assert len(out) == 2  # one event for everything queued, then usage
         assert sorted((c["index"], c["text"], c["finish_reason"]) for c in out[0]["choices"]) == [
             (0, "abc", "length"), (1, "xyz", "stop")]
         assert out[1]["usage"]["completion_tokens"] == 6 and out[1]["usage"]["prompt_tokens"] == 6
+        assert "usage" not in out[0]
+        # continuous_usage_stats: every event carries the counts so far
+        fmt = CompletionFormat(Header("cmpl-2", "m"), n=1, logprobs=None)
+        out = events([e async for e in fmt.stream(batches([
+            stream(chunk("ab"), chunk("c", finish="length"), pause=True)]), usage="every")])
+        assert [e["usage"]["completion_tokens"] for e in out] == [2, 3, 3]
 
         chat = ChatFormat(Header("chat-1", "m"), n=2, top_logprobs=None)
         out = events([e async for e in chat.stream(batches([
             stream(chunk("he", 0), chunk("hi", 1), chunk("llo", 0, "stop"), chunk("!", 1, "stop"))]),
-            include_usage=False)])
+            usage="none")])
         assert len(out) == 2  # the role event, then one event for both choices
         assert {c["index"]: (c["delta"]["content"], c["finish_reason"]) for c in out[1]["choices"]} == {
             0: ("hello", "stop"), 1: ("hi!", "stop")}
@@ -210,5 +216,39 @@ def test_engine_stream_error_after_a_batch_is_raised():
             async for b in batches([broken()]):
                 got.append(b)
         assert got == [[(0, 1)]]
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_cancels_the_handler():
+    """A non-streamed request whose client disconnects: the handler is cancelled (its cleanup
+    run: the ingress closes the engine streams, which aborts them), not left to finish."""
+    from fastapi.responses import Response
+
+    from flagserve.entrypoints.openai.api import unless_client_leaves
+
+    async def main():
+        cleaned, messages = [], asyncio.Queue()
+
+        async def receive():
+            return await messages.get()
+
+        async def slow():
+            try:
+                await asyncio.sleep(60)
+            finally:
+                cleaned.append(True)
+
+        async def quick():
+            return Response("ok")
+
+        task = asyncio.ensure_future(unless_client_leaves(receive, slow()))
+        messages.put_nowait({"type": "http.request", "body": b"", "more_body": False})
+        await asyncio.sleep(0.05)
+        assert not task.done()  # a message that is not a disconnect changes nothing
+        messages.put_nowait({"type": "http.disconnect"})
+        response = await asyncio.wait_for(task, 5)
+        assert response.status_code == 499 and cleaned == [True]
+        assert (await unless_client_leaves(receive, quick())).body == b"ok"
 
     asyncio.run(main())

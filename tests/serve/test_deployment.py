@@ -2,7 +2,9 @@
 the official openai client, then status and stop. Tests run in file order; the last stops it."""
 from __future__ import annotations
 
+import json
 import re
+import socket
 import time
 
 import openai
@@ -232,15 +234,31 @@ def test_metrics_use_vllm_names(deployment):
     assert m["vllm:generation_tokens_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] > 0
 
 
-def test_client_disconnect_aborts_and_frees_kv(deployment):
+def _leave_running_request(deployment, body: dict) -> None:
+    """Send a whole-answer request, see it run, and close the connection before the answer."""
+    host, port = deployment.url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request_head("/v1/completions", API_KEY, f"Content-Length: {len(data)}") + data)
+        deadline = time.time() + 20
+        while metrics(deployment)["vllm:num_requests_running"] == 0:
+            assert time.time() < deadline, "the request never ran"
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_kv(deployment, stream):
     before = metrics(deployment).get("vllm:request_success_total{abort}", 0)
-    r = requests.post(f"{deployment.url}/v1/completions", stream=True, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"model": MODEL, "prompt": "Go on forever", "max_tokens": 400,
-                            "ignore_eos": True, "stream": True})
-    lines = r.iter_lines()
-    assert next(lines).startswith(b"data: ")
-    r.close()  # the client goes away mid-stream
+    body = {"model": MODEL, "prompt": "Go on forever", "max_tokens": 400, "ignore_eos": True,
+            "stream": stream}
+    if stream:
+        r = requests.post(f"{deployment.url}/v1/completions", stream=True, timeout=60, json=body,
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+        lines = r.iter_lines()
+        assert next(lines).startswith(b"data: ")
+        r.close()  # the client goes away mid-stream
+    else:  # n samples: long enough to be seen running before it ends
+        _leave_running_request(deployment, {**body, "n": 8, "max_tokens": 500})
     deadline = time.time() + 20
     while time.time() < deadline:
         m = metrics(deployment)

@@ -6,6 +6,7 @@ Every answer is OpenAI-shaped, also from the middleware (the API key, the body l
 for routes that do not exist (404) or methods a route does not take (405).
 No `from __future__ import annotations`: FastAPI must see the real Request type.
 """
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -26,6 +27,10 @@ ROUTES = (("GET", "/health", "health"), ("GET", "/v1/models", "models"),
           # vLLM's tokenizer routes, at the root as vLLM serves them
           ("POST", "/tokenize", "tokenize"), ("POST", "/detokenize", "detokenize"),
           ("GET", "/tokenizer_info", "tokenizer_info"))  # -> OpenAIIngress methods
+# Routes that run the engine: a client that leaves before a whole answer cancels the handler,
+# and the engine aborts its request (vLLM's with_cancellation). A stream's own end (its body
+# closed on the disconnect) does the same after the handler has returned.
+ENGINE_ROUTES = frozenset({"completions", "chat_completions"})
 
 
 def build_api(ingress: Any) -> FastAPI:
@@ -35,7 +40,8 @@ def build_api(ingress: Any) -> FastAPI:
                   openapi_url="/openapi.json" if docs else None)
     _add_error_handlers(app)
     for method, path, name in ROUTES:
-        app.add_api_route(path, _endpoint(getattr(ingress, name)), methods=[method], name=name)
+        app.add_api_route(path, _endpoint(getattr(ingress, name), name in ENGINE_ROUTES),
+                          methods=[method], name=name)
     limits = ingress.limits
     app.add_middleware(SizeLimitMiddleware, max_body_bytes=limits.max_body_bytes,
                        max_header_bytes=limits.max_header_bytes)
@@ -65,7 +71,36 @@ def _add_error_handlers(app: FastAPI) -> None:
         return OpenAIError(500, f"internal error: {err!r}").response()
 
 
-def _endpoint(handler: Callable[[Request], Awaitable[Response]]) -> Callable:
+def _endpoint(handler: Callable[[Request], Awaitable[Response]], cancellable: bool) -> Callable:
     async def endpoint(request: Request) -> Response:
-        return await handler(request)
+        if not cancellable:
+            return await handler(request)
+        await request.body()  # all of it first: the watch below takes every later message
+        return await unless_client_leaves(request.receive, handler(request))
     return endpoint
+
+
+async def unless_client_leaves(receive: Callable[[], Awaitable[dict]],
+                               work: Awaitable[Response]) -> Response:
+    """`work`'s response, or, when the client disconnects first, `work` cancelled (its cleanup
+    awaited) and a 499 that nobody reads."""
+    handler = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_client_left(receive))
+    try:
+        await asyncio.wait({handler, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this endpoint is cancelled itself (Ray Serve's proxy on a disconnect)
+        watch.cancel()
+        if not handler.done():
+            handler.cancel()
+            await asyncio.wait({handler})
+    if handler.cancelled():
+        return Response(status_code=499)  # nginx's "client closed request"
+    return handler.result()
+
+
+async def _client_left(receive: Callable[[], Awaitable[dict]]) -> None:
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a receive that cannot tell: the handler's end decides
+        await asyncio.Event().wait()

@@ -16,6 +16,12 @@ from flagserve.entrypoints.openai.errors import OpenAIError
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
+def check_stream(req: Any) -> None:
+    """vLLM's rule: stream_options only with stream (else they would be silently unused)."""
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError(400, "stream_options needs stream=true", "stream_options")
+
+
 def check_completion(req: Any) -> None:
     # best_of == n is sampling n and returning them all, which is what happens anyway; a
     # best_of of 0 is refused by name too (its value is falsy).
@@ -23,6 +29,7 @@ def check_completion(req: Any) -> None:
     name = next((k for k, asked in refused.items() if asked), None)
     if name is not None:
         raise OpenAIError(400, f"{name} is not supported", name)
+    check_stream(req)
     _check_count(req.logprobs, "logprobs")
     _check_count(req.prompt_logprobs, "prompt_logprobs")
 
@@ -30,6 +37,7 @@ def check_completion(req: Any) -> None:
 def check_chat(req: Any) -> int | None:
     """The number of top logprobs to return per token (None: no logprobs); the fields that
     would change the output and cannot be honoured are refused by the model (unhonoured.py)."""
+    check_stream(req)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
@@ -83,20 +91,22 @@ def check_token_ids(info: ModelInfo, prompt: list[int]) -> None:
 
 
 def check_budget(info: ModelInfo, prompt_len: int, max_tokens: int | None, what: str,
-                 cap: int | None = None) -> int:
+                 cap: int | None = None, max_field: str = "max_tokens") -> int:
     """The max_tokens to generate: as asked, or what the context window leaves, at most `cap`
-    (deploy.limits.max_tokens)."""
+    (deploy.limits.max_tokens). `what` names the prompt's field, `max_field` the one that
+    asked for max_tokens (chat's max_completion_tokens)."""
     limit = info.max_model_len
     if prompt_len == 0:
         raise OpenAIError(400, f"the {what} is empty", what)
     if max_tokens is not None and max_tokens < 1:
-        raise OpenAIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        raise OpenAIError(400, f"{max_field} must be at least 1, got {max_tokens}", max_field)
     if prompt_len >= limit or (max_tokens is not None and prompt_len + max_tokens > limit):
         asked = prompt_len + (max_tokens or 1)
         raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, "
                           f"you requested {asked} tokens ({prompt_len} in the {what}, "
                           f"{max_tokens or 1} in the completion). Please reduce the length of "
-                          f"the {what} or completion.", "max_tokens" if max_tokens else what)
+                          f"the {what} or completion.", what if prompt_len >= limit or not max_tokens
+                          else max_field)
     if max_tokens is not None:
         return max_tokens
     return min(limit - prompt_len, cap or limit)

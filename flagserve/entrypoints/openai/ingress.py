@@ -73,6 +73,15 @@ from flagserve.entrypoints.openai.unhonoured import unknown_field_message
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
 
+async def whole(fmt: ChatFormat | CompletionFormat, stream: AsyncIterator) -> JSONResponse:
+    """A response not streamed; cancelled (its client left: api.py) it closes the engine
+    streams, which aborts them, instead of leaving them to finish for nobody."""
+    try:
+        return JSONResponse(await fmt.full(stream))
+    finally:
+        await stream.aclose()
+
+
 @dataclass
 class ModelRoute:
     module_id: str
@@ -259,7 +268,7 @@ class OpenAIIngress:
         if mode == "none":
             return None
         parser = self.tool_parsers[route.module_id]
-        return lambda: ToolOutput(mode, parser, req.named_tool)
+        return lambda: ToolOutput(mode, parser, req.named_tool, req.parallel_tool_calls)
 
     async def check_health(self) -> None:
         """Ray Serve calls this periodically; an engine that lives here and died, or the HTTP
@@ -306,7 +315,7 @@ class OpenAIIngress:
         requests = []
         for i, ids in enumerate(token_ids):
             max_tokens = check_budget(info, len(ids), req.engine_max_tokens, "prompt",
-                                      self.limits.max_tokens)
+                                      self.limits.max_tokens, req.max_tokens_field)
             params = self._sampling(req, max_tokens, req.logprobs, info)
             requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.stream, time.time()))
         stream = await self._start(route, requests)
@@ -314,9 +323,8 @@ class OpenAIIngress:
             stream = prompt_only(stream)
         fmt = CompletionFormat(header, req.n, req.logprobs, echoes)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(fmt.stream(stream, include_usage))
-        return JSONResponse(await fmt.full(stream))
+            return sse_response(fmt.stream(stream, req.stream_usage))
+        return await whole(fmt, stream)
 
     async def chat_completions(self, request: Request) -> Response:
         req, route, info = await self._prepare(request, ChatCompletionRequest)
@@ -325,16 +333,15 @@ class OpenAIIngress:
         self._sampling(req, req.requested_max_tokens, top, info)  # every value, before tokenizing
         ids = await self._encode_chat(route, req, info.max_model_len - 1)  # room for one more
         max_tokens = check_budget(info, len(ids), req.requested_max_tokens, "messages",
-                                  self.limits.max_tokens)
+                                  self.limits.max_tokens, req.max_tokens_field)
         params = self._sampling(req, max_tokens, top, info)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._start(route, [EngineRequest(rid, ids, params, req.stream, time.time())])
         fmt = ChatFormat(Header(rid, req.model or route.names[0]), req.n, top,
-                         self._tool_output(route, req))
+                         self._tool_output(route, req), len(ids))
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(fmt.stream(stream, include_usage))
-        return JSONResponse(await fmt.full(stream))
+            return sse_response(fmt.stream(stream, req.stream_usage))
+        return await whole(fmt, stream)
 
     # vLLM's tokenizer routes: what the route's tokenizer makes of a text or a conversation,
     # so that a client (lm-eval's remote tokenizer) needs no copy of it. No user modules run:

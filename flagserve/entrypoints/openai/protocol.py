@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.structured_outputs.params import StructuredOutputsParams
 from flagserve.entrypoints.openai.errors import OpenAIError
+from flagserve.entrypoints.openai.responses import StreamUsage
 from flagserve.entrypoints.openai.structured import ResponseFormat, StructuredOutputsBody, constraint
 from flagserve.entrypoints.openai.tools import (
     NamedToolChoice,
@@ -27,7 +28,13 @@ from flagserve.entrypoints.openai.unhonoured import ChatRefused, OutputNeutral, 
 
 class StreamOptions(Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every event
+
+    @property
+    def usage(self) -> StreamUsage:
+        if not self.include_usage:
+            return "none"
+        return "every" if self.continuous_usage_stats else "last"
 
 
 class _Request(OutputNeutral):
@@ -38,7 +45,7 @@ class _Request(OutputNeutral):
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
     stream: StrictBool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # checks.check_stream: only with stream
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # vLLM extras
@@ -80,6 +87,10 @@ class _Request(OutputNeutral):
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         return constraint(self.response_format, self.structured_outputs)
+
+    @property
+    def stream_usage(self) -> StreamUsage:
+        return self.stream_options.usage if self.stream_options is not None else "none"
 
 
 def token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -148,7 +159,7 @@ class CompletionRequest(_Request):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(BaseModel):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
@@ -157,6 +168,16 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template
     role: str
     content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        kinds = {p.get("type") for p in value if isinstance(p, dict)} if isinstance(value, list) else ()
+        other = sorted(str(k) for k in kinds if k != "text")
+        if other:
+            raise ValueError(f"content parts of type {other[0]!r} are not supported: this server "
+                             "takes text (a string, or parts of type 'text')")
+        return value
 
 
 # chat_template_kwargs become the template's variables; these would instead be arguments of
@@ -267,8 +288,17 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        # Of a field's errors, the deepest: where a union's members all fail (tool_choice's
+        # string or object), the member that got furthest says what is wrong.
+        first = max(err.errors(), key=lambda e: len(e["loc"]))
+        where = ".".join(str(p) for p in first["loc"] if not _union_member(p))
         message = (unknown_field_message(where) if first["type"] == "extra_forbidden"
                    else f"{where}: {first['msg']}")
         raise OpenAIError(400, message, str(first["loc"][0])) from None
+
+
+def _union_member(part: Any) -> bool:
+    """Whether a step of an error's location names a union's member, not a field: pydantic's
+    tags `str`, `list[TextPart]`, `literal['auto',...]`, `NamedToolChoice` (fields are snake_case)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list")
+                                      or "[" in part or part[:1].isupper())

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
 
@@ -29,6 +29,9 @@ from flagserve.entrypoints.openai.tool_output import ToolOutput, full_message, s
 
 log = logging.getLogger(__name__)
 Batches = AsyncIterator[list[tuple[int, EngineChunk]]]
+# stream_options: no usage, a last event with the request's usage (include_usage), or also the
+# usage so far in every event (continuous_usage_stats, vLLM's)
+StreamUsage = Literal["none", "last", "every"]
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -45,6 +48,10 @@ class Usage:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def so_far(self, usage: StreamUsage) -> dict[str, Any]:
+        """A streamed event's `usage` field: the counts so far, where every event carries them."""
+        return {"usage": self.body()} if usage == "every" else {}
 
 
 @dataclass
@@ -225,7 +232,7 @@ class CompletionFormat:
         return ((self.echoes is not None and index not in self.echoed)
                 or (prompt in self.prompt_logprobs and index not in self.scored))
 
-    async def stream(self, batches: Batches, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, batches: Batches, usage: StreamUsage) -> AsyncIterator[str]:
         seen: set[int] = set()
         async for batch in batches:
             for prompt, chunk in batch:
@@ -233,8 +240,8 @@ class CompletionFormat:
             choices = [self._choice(prompt, d) for (prompt, _), d in _merged(batch).items()
                        if _worth_sending(d, self.logprobs) or self._owes(prompt, d.index)]
             if choices:
-                yield sse(self.header.body("text_completion", choices))
-        if include_usage:
+                yield sse(self.header.body("text_completion", choices, **self.usage.so_far(usage)))
+        if usage != "none":
             yield sse(self.header.body("text_completion", [], usage=self.usage.body()))
 
     async def full(self, batches: Batches) -> dict[str, Any]:
@@ -250,10 +257,11 @@ class CompletionFormat:
 
 class ChatFormat:
     def __init__(self, header: Header, n: int, top_logprobs: int | None,
-                 tools: Callable[[], ToolOutput] | None = None):
-        """`tools`: makes each choice's ToolOutput when the request has tools (tool_output.py)."""
+                 tools: Callable[[], ToolOutput] | None = None, prompt_tokens: int = 0):
+        """`tools`: makes each choice's ToolOutput when the request has tools (tool_output.py);
+        `prompt_tokens`: the prompt's length, for the usage of events before the engine's first."""
         self.header, self.n, self.top = header, n, top_logprobs
-        self.usage = Usage()
+        self.usage = Usage(prompt_tokens)
         self.tools = tools
         self.outputs: dict[int, ToolOutput] = {}  # choice index -> its calls so far
         self.prompt_logprobs: PromptLogprobs | None = None  # come, not yet sent
@@ -287,11 +295,11 @@ class ChatFormat:
             return None
         return chat_logprobs(delta.logprobs, delta.token_ids, self.top)
 
-    async def stream(self, batches: Batches, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, batches: Batches, usage: StreamUsage) -> AsyncIterator[str]:
         obj = "chat.completion.chunk"
         yield sse(self.header.body(obj, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}
-                                         for i in range(self.n)]))
+                                         for i in range(self.n)], **self.usage.so_far(usage)))
         async for batch in batches:
             for _, chunk in batch:
                 self._account(chunk)
@@ -304,8 +312,8 @@ class ChatFormat:
                     choices.append(choice)
             scored = self._take_prompt_logprobs()  # in this event even if no choice has news
             if choices or scored:
-                yield sse(self.header.body(obj, choices, **scored))
-        if include_usage:
+                yield sse(self.header.body(obj, choices, **scored, **self.usage.so_far(usage)))
+        if usage != "none":
             yield sse(self.header.body(obj, [], usage=self.usage.body()))
 
     async def full(self, batches: Batches) -> dict[str, Any]:

@@ -8,27 +8,33 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import Field, StrictBool, model_validator
 
 from flagserve.engine.structured_outputs.params import StructuredOutputsParams
+from flagserve.entrypoints.openai.unhonoured import Strict
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Strict):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
     strict: StrictBool | None = None  # always strict here: the grammar is the schema
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.json_schema is not None and self.type != "json_schema":
+            raise ValueError(f"json_schema is read only with type 'json_schema', not {self.type!r}")
+        return self
 
-class StructuredOutputsBody(BaseModel):
+
+class StructuredOutputsBody(Strict):
     """vLLM's `structured_outputs`; unknown keys are refused so that a backend option this
     server lacks (structural_tag, ...) is not silently ignored."""
-    model_config = ConfigDict(extra="forbid")
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None

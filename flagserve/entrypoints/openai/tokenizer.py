@@ -24,6 +24,7 @@ from flagserve.models.tokenizer import load_tokenizer
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 PROBE_TOOL = {"type": "function", "function": {"name": "flagserve_probe_tool", "parameters": {}}}
+PROBE_TEXT = "flagserve probe text"
 
 
 class PromptTokenizer:
@@ -36,6 +37,7 @@ class PromptTokenizer:
         self.chars_per_token = max_chars_per_token(tokenizer)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # started on first use
         self._template_shows_tools: bool | None = None  # probed on the first request with tools
+        self._template_takes_parts: bool | None = None  # probed on the first message with parts
 
     def check_length(self, text: str, max_tokens: int | None) -> None:
         """Refuse, untokenized, a text too long to be `max_tokens` tokens or fewer (None: any)."""
@@ -66,6 +68,8 @@ class PromptTokenizer:
         `add_special_tokens` (vLLM's /tokenize field) adds the tokenizer's own on top."""
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
+        if not self.template_takes_parts():
+            messages = [joined_text(m) for m in messages]
         tools = (template_kwargs or {}).get("tools")
         if tools and describe_tools and not self.template_shows_tools():
             template_kwargs = {k: v for k, v in template_kwargs.items() if k != "tools"}
@@ -106,6 +110,21 @@ class PromptTokenizer:
         return {"tokenizer_class": type(self.tokenizer).__name__,
                 **{name: special.get(name) for name in SPECIAL_TOKENS},
                 "chat_template": self.tokenizer.chat_template}
+
+    def template_takes_parts(self) -> bool:
+        """Whether the chat template renders content given as text parts as it renders the
+        same text given as a string (many concatenate `content` and fail on a list)."""
+        if self._template_takes_parts is None:
+            def render(content: Any) -> str | None:
+                try:
+                    return self.tokenizer.apply_chat_template(
+                        [{"role": "user", "content": content}], tokenize=False)
+                except Exception:  # noqa: BLE001 - a template that fails on parts does not take them
+                    return None
+            as_text = render(PROBE_TEXT)
+            self._template_takes_parts = (as_text is not None and
+                                          render([{"type": "text", "text": PROBE_TEXT}]) == as_text)
+        return self._template_takes_parts
 
     def template_shows_tools(self) -> bool:
         """Whether the chat template writes the `tools` it is given into the prompt."""
@@ -169,3 +188,12 @@ def max_chars_per_token(tokenizer: Any) -> int:
     longest = max(map(len, tokenizer.get_vocab()), default=1)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return longest * (4 if getattr(backend, "normalizer", None) is not None else 1)
+
+
+def joined_text(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose content is text parts, with the parts' text as one string (vLLM's
+    "string" content format: joined by newlines)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in content)}

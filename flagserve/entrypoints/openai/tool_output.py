@@ -19,8 +19,11 @@ def call_id() -> str:
 
 
 class ToolOutput:
-    def __init__(self, mode: ToolMode, parser: Any = None, named: str | None = None):
-        self.mode, self.named = mode, named
+    def __init__(self, mode: ToolMode, parser: Any = None, named: str | None = None,
+                 parallel: bool = True):
+        """`parallel`: the request's parallel_tool_calls; False keeps the first call alone
+        (`required` is held to one by its grammar, `auto` drops the model's later calls)."""
+        self.mode, self.named, self.parallel = mode, named, parallel
         self.parser = parser() if mode == "auto" else None
         self.calls = 0  # calls sent so far: the next one's index
         self.text = ""  # `required`: the JSON list, parsed at the end
@@ -52,6 +55,8 @@ class ToolOutput:
         for e in events:
             if isinstance(e, str):
                 delta["content"] = delta.get("content", "") + e
+                continue
+            if self.calls and not self.parallel:
                 continue
             delta.setdefault("tool_calls", []).append(
                 {"index": self.calls, "id": call_id(), "type": "function",

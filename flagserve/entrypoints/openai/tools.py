@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from flagserve.engine.structured_outputs.params import StructuredOutputsParams
+from flagserve.entrypoints.openai.unhonoured import Strict
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a function declared without parameters
 
@@ -30,16 +31,16 @@ class FunctionDef(BaseModel):
     strict: StrictBool | None = None  # always strict here: the grammar is the schema
 
 
-class ToolDef(BaseModel):
+class ToolDef(Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
+class FunctionName(Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: FunctionName
 
@@ -78,13 +79,19 @@ def calls_schema(tools: list[ToolDef], parallel: bool) -> dict[str, Any]:
 def tool_constraint(tools: list[ToolDef] | None, mode: ToolMode, named: str | None,
                     parallel: bool) -> StructuredOutputsParams | None:
     """The constraint for `required` and named calls; ValueError naming `tools` when a
-    function's parameters are not a schema the grammar compiler takes."""
+    function's parameters are not a schema the grammar compiler takes (under `auto` too: the
+    model may call any of them, and a client parses the arguments by that schema)."""
     if mode == "required":
-        schema = calls_schema(tools or [], parallel)
-    elif mode == "named":
-        schema = _parameters(next(t for t in tools or () if t.function.name == named))
-    else:
-        return None
+        return _json_constraint(calls_schema(tools or [], parallel))
+    if mode == "named":
+        return _json_constraint(_parameters(next(t for t in tools or () if t.function.name == named)))
+    if mode == "auto":
+        for tool in tools or ():
+            _json_constraint(_parameters(tool))
+    return None
+
+
+def _json_constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(json=schema)
     except ValueError as err:
@@ -131,6 +138,11 @@ def with_tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, A
     """The tools described in the system message (Qwen2.5's Hermes wording), for templates
     that do not show them: appended to the caller's system message, or one of its own."""
     prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-    if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+    system = messages[0] if messages and messages[0].get("role") == "system" else None
+    content = system.get("content") if system is not None else None
+    if isinstance(content, str):
+        return [{**system, "content": f"{content}\n\n{prompt}"}, *messages[1:]]
+    if isinstance(content, list):  # text parts (a template that takes them)
+        return [{**system, "content": [*content, {"type": "text", "text": f"\n\n{prompt}"}]},
+                *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
