@@ -76,7 +76,7 @@ def test_sequences_that_end_while_the_next_step_runs(llama_path, prompts):
     stop_text = [tokenizer.decode(o.outputs[0].token_ids[8:10]) for o in first[3:]]
     params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=stop_ids,
                             stop=[t for t in stop_text if t.strip()])
-    sync, overlapped, llm = both(llama_path, prompts, params, num_kv_blocks=64)
+    sync, overlapped, llm = both(llama_path, prompts, params, num_kv_blocks=64, max_model_len=1024)
     assert completions(overlapped) == completions(sync)
     assert {o.outputs[0].finish_reason for o in sync} >= {"stop"}
     assert llm.llm_engine.block_manager.num_free_blocks == 64
@@ -105,7 +105,7 @@ def test_deltas_and_aborts(llama_path, prompts):
     ends the request with no output and frees its blocks."""
     def run(async_scheduling: bool) -> dict[str, list]:
         engine = LLMEngine(EngineArgs(model=llama_path, dtype="float32", num_kv_blocks=64,
-                                      async_scheduling=async_scheduling))
+                                      max_model_len=1024, async_scheduling=async_scheduling))
         delta = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                output_kind=RequestOutputKind.DELTA)
         for i, prompt in enumerate(prompts[:5]):

@@ -17,6 +17,7 @@ BLOCKS = 64
 
 def engine(path: str, transport=None, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", BLOCKS)
+    kw.setdefault("max_model_len", kw["num_kv_blocks"] * 16)  # what the cache holds at most
     # Eager: the transfer does not care how decode steps run, and engines start faster.
     return LLMEngine(EngineArgs(model=path, dtype="float32", enforce_eager=True, **kw),
                      kv_transport=transport)

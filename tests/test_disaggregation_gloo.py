@@ -17,6 +17,7 @@ TIMEOUT_S = 120
 
 def kv_engine(path: str, role: str, address: str) -> LLMEngine:
     return LLMEngine(EngineArgs(model=path, dtype="float32", num_kv_blocks=BLOCKS, enforce_eager=True,
+                                max_model_len=BLOCKS * 16,
                                 kv_transfer={"role": role, "mode": "gloo", "address": address,
                                              "timeout_s": 30}))
 

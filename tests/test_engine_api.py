@@ -126,6 +126,15 @@ def test_bad_prompts_raise_clear_errors(engine, prompt, message):
     assert not engine.has_unfinished()
 
 
+def test_a_kv_cache_smaller_than_one_sequence_is_refused_at_start(llama_path):
+    """num_kv_blocks that cannot hold max_model_len tokens: a sequence past it would preempt
+    itself forever (a hang), so the engine refuses to start, naming both keys (vLLM's rule)."""
+    with pytest.raises(ValueError, match=r"holds 4 blocks of 16 tokens, 64 tokens, fewer than "
+                                         r"max_model_len=128: lower max_model_len, or raise num_kv_blocks"):
+        LLMEngine(EngineArgs(model=llama_path, dtype="float32", num_kv_blocks=4, max_model_len=128))
+    LLMEngine(EngineArgs(model=llama_path, dtype="float32", num_kv_blocks=4, max_model_len=64))
+
+
 def test_prompt_ids_past_the_tokenizer_in_a_padded_vocabulary(tiny_model_factory):
     """A padded vocabulary's gap (embedding rows, no tokens) is refused in prompts, as vLLM does."""
     from flagserve.models.tiny import VOCAB_SIZE
@@ -179,9 +188,12 @@ def test_unsupported_architecture_lists_supported(llama_path, tmp_path):
         LLM(str(bad))
 
 
-def test_missing_model_directory_is_named(tmp_path):
+def test_missing_model_directory_is_named(tmp_path, llama_path):
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         LLM(str(tmp_path / "no-such-model"))
+    # a tokenizer that is not a local path: named, not looked up on the Hub
+    with pytest.raises(FileNotFoundError, match="no tokenizer directory 'org/some-tokenizer'"):
+        LLM(llama_path, tokenizer="org/some-tokenizer")
 
 
 def test_a_pathlib_path_is_a_model_path(llama_path):
@@ -246,3 +258,17 @@ def test_half_precision_runs(llama_path, dtype, device):
     assert half.token_ids[0] == full.token_ids[0]  # the decisive tiny model agrees at first
     assert half.logprobs[0][half.token_ids[0]].logprob == pytest.approx(
         full.logprobs[0][full.token_ids[0]].logprob, abs=HALF_LOGPROB_TOL[device, dtype])
+
+
+@pytest.mark.parametrize("field,value", [
+    ("enable_prefix_caching", "no"), ("enable_chunked_prefill", None), ("enforce_eager", 1),
+    ("max_num_seqs", True), ("block_size", True), ("block_size", 24), ("max_model_len", 0),
+    ("num_kv_blocks", 2.5), ("seed", 1.5), ("seed", 2**70), ("seed", "abc"),
+    ("cpu_kv_cache_space_gib", float("inf")), ("gpu_memory_utilization", "0.5"),
+    ("gpu_memory_utilization", 1.5), ("device", "tpu"), ("dtype", "fp8"), ("tokenizer", 3),
+])
+def test_engine_args_name_the_field_of_a_bad_value(field, value):
+    """Checked when built, not found later as another error deep in the engine."""
+    with pytest.raises(ValueError, match=rf"EngineArgs\.{field} "):
+        EngineArgs(model="m", **{field: value})
+    EngineArgs(model="m", device="cuda:1", seed=-5, cpu_kv_cache_space_gib=1)

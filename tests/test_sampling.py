@@ -79,6 +79,12 @@ def test_stop_strings_end_the_text_before_them(llm):
     kept = one(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=stop,
                                    include_stop_str_in_output=True)).outputs[0]
     assert kept.text == cut + stop
+    # vLLM's rule: a stop string counts only once the output is past min_tokens tokens
+    hit = len(comp.token_ids)  # the token that completed the stop string
+    for min_tokens, stops in ((hit - 1, True), (hit, False)):
+        out = one(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=stop,
+                                      min_tokens=min_tokens)).outputs[0]
+        assert (out.token_ids == comp.token_ids) == stops, (min_tokens, out)
 
 
 def test_stop_token_ids_and_min_tokens(llm):
@@ -89,6 +95,9 @@ def test_stop_token_ids_and_min_tokens(llm):
                                   stop_token_ids=[stop_id])).outputs[0]
     assert out.token_ids == full[:first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    kept = one(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
+                                   stop_token_ids=[stop_id], include_stop_str_in_output=True))
+    assert kept.outputs[0].text == greedy(llm, first + 1).text  # vLLM's: the stop token's text kept
     # min_tokens forbids the stop token until 8 tokens are out.
     banned = one(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, min_tokens=8,
                                      stop_token_ids=[stop_id])).outputs[0]
@@ -188,6 +197,9 @@ def test_logit_bias_past_the_vocabulary_is_refused(llm):
     ("max_tokens", 2**31), ("logprobs", 2**40), ("top_p", float("nan")),
     ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}),
     ("logit_bias", {5: float("nan")}), ("logit_bias", {2**40: 1.0}), ("logit_bias", [(5, 1.0)]),
+    # a flag the detokenizer read as a bool failed the step of every request in the batch
+    ("skip_special_tokens", None), ("skip_special_tokens", "no"), ("ignore_eos", 1),
+    ("include_stop_str_in_output", "yes"), ("output_kind", 3),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
@@ -221,3 +233,14 @@ def test_plain_greedy_takes_the_argmax_of_the_model_dtype_logits(dtype):
                                   all_greedy=True, max_num_logprobs=0)
     out = sampler(logits, with_logprobs)  # the fp32 path, for the logprobs
     assert out.token_ids == tokens and out.logprobs is not None
+
+
+def test_child_seeds_of_distinct_seeds_differ():
+    """The n samples' seeds: one to one in the request's seed at every index (seeds 2**63
+    apart made the same samples past the first), and within a generator's range."""
+    from flagserve.engine.llm_engine import child_seed
+    seeds = [-2**63, -1, 0, 1, 5, 2**32 + 5, 2**63 - 1]
+    for index in (1, 2, 7):
+        children = [child_seed(s, index) for s in seeds]
+        assert len(set(children)) == len(seeds) and all(0 <= c < 2**64 for c in children)
+    assert child_seed(-1, 0) == -1  # the first sample is the seed's own, as n=1

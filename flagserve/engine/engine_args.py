@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
 from flagserve.engine.kv_transfer.config import KVTransferConfig
+from flagserve.engine.sampling_params import SEED_MAX, SEED_MIN, is_int, is_number
 
 if TYPE_CHECKING:
     from flagserve.models.config import ModelConfig
@@ -16,6 +18,14 @@ AttentionBackend = Literal["auto", "torch", "triton"]
 # vLLM's load_format: "auto" reads the checkpoint; "dummy" draws random weights on the device
 # from the model's config alone (benchmarks of a shape without its checkpoint).
 LoadFormat = Literal["auto", "dummy"]
+
+
+DEVICE_INDEX = re.compile(r"cuda:\d+")
+
+
+def _check(ok: object, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineArgs.{name} {message}")
 
 
 @dataclass
@@ -60,48 +70,54 @@ class EngineArgs:
             self.model = os.fspath(self.model)
         if isinstance(self.kv_transfer, dict):
             self.kv_transfer = KVTransferConfig(**self.kv_transfer)
-
-        def check(ok: bool, name: str, message: str) -> None:
-            if not ok:
-                raise ValueError(f"EngineArgs.{name} {message}")
-
-        check(isinstance(self.model, str) and bool(self.model), "model",
-              "must be a model directory or .gguf file path")
+        _check(isinstance(self.model, str) and bool(self.model), "model",
+               "must be a model directory or .gguf file path")
+        _check(self.tokenizer is None or isinstance(self.tokenizer, (str, os.PathLike)), "tokenizer",
+               f"must be a tokenizer directory or .gguf file path, got {self.tokenizer!r}")
+        _check(self.device in ("auto", "cpu", "cuda") or DEVICE_INDEX.fullmatch(str(self.device)),
+               "device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name, mode in (("dtype", Dtype), ("attention_backend", AttentionBackend),
                            ("load_format", LoadFormat)):
             value = getattr(self, name)
-            check(value in get_args(mode), name, f"must be one of {get_args(mode)}, got {value!r}")
-        check(isinstance(self.block_size, int) and self.block_size > 0
-              and self.block_size & (self.block_size - 1) == 0, "block_size",
-              f"must be a positive power of two, got {self.block_size!r}")
-        check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",
-              f"must be an integer >= 1, got {self.max_num_seqs!r}")
+            _check(value in get_args(mode), name, f"must be one of {get_args(mode)}, got {value!r}")
+        self._check_sizes()
+        self._check_flags()
+        self._check_layout()
+
+    def _check_sizes(self) -> None:
+        _check(is_int(self.block_size, 1) and self.block_size & (self.block_size - 1) == 0,
+               "block_size", f"must be a positive power of two, got {self.block_size!r}")
+        for name in ("max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            _check(is_int(value, 1), name, f"must be an integer >= 1, got {value!r}")
         for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks"):
             value = getattr(self, name)
-            check(value is None or (isinstance(value, int) and value >= 1), name,
-                  f"must be a positive integer or None, got {value!r}")
-        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
-              f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        check(self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space_gib",
-              f"must be > 0, got {self.cpu_kv_cache_space_gib!r}")
-        check(isinstance(self.enforce_eager, bool), "enforce_eager",
-              f"must be true or false, got {self.enforce_eager!r}")
-        check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
-              "async_scheduling", f"must be true, false or null (auto), got {self.async_scheduling!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            value = getattr(self, name)
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
-                  f"must be an integer >= 1, got {value!r}")
-        hosts = self.placement_hosts
-        check(hosts is None or (isinstance(hosts, (list, tuple))
-                                and all(isinstance(h, str) and h for h in hosts)
-                                and len(hosts) == self.pipeline_parallel_size), "placement_hosts",
-              f"must be None or one host address per pipeline stage "
-              f"({self.pipeline_parallel_size}), got {hosts!r}")
+            _check(value is None or is_int(value, 1), name,
+                   f"must be a positive integer or None, got {value!r}")
+        _check(is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+               "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check(is_number(self.cpu_kv_cache_space_gib) and self.cpu_kv_cache_space_gib > 0,
+               "cpu_kv_cache_space_gib", f"must be a number > 0, got {self.cpu_kv_cache_space_gib!r}")
+        _check(is_int(self.seed, SEED_MIN, SEED_MAX), "seed",
+               f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
 
-        check(not self.async_scheduling or self.in_one_process, "async_scheduling",
-              "needs the engine in one process: tensor_parallel_size = pipeline_parallel_size = "
-              "1 and no kv_transfer; set it false (or leave it null) for this layout")
+    def _check_flags(self) -> None:
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
+        _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
+               "async_scheduling", f"must be true, false or null (auto), got {self.async_scheduling!r}")
+
+    def _check_layout(self) -> None:
+        hosts = self.placement_hosts
+        _check(hosts is None or (isinstance(hosts, (list, tuple))
+                                 and all(isinstance(h, str) and h for h in hosts)
+                                 and len(hosts) == self.pipeline_parallel_size), "placement_hosts",
+               f"must be None or one host address per pipeline stage "
+               f"({self.pipeline_parallel_size}), got {hosts!r}")
+        _check(not self.async_scheduling or self.in_one_process, "async_scheduling",
+               "needs the engine in one process: tensor_parallel_size = pipeline_parallel_size = "
+               "1 and no kv_transfer; set it false (or leave it null) for this layout")
 
     @property
     def world_size(self) -> int:

@@ -30,15 +30,16 @@ class Executor(Protocol):
 
 
 def decide_kv_blocks(args: EngineArgs, capacities: list[int], max_model_len: int, cuda: bool) -> int:
-    """num_kv_blocks if given, else the smallest shard's capacity; it must hold one full sequence."""
-    if args.num_kv_blocks:
-        return args.num_kv_blocks
-    blocks = min(capacities)
+    """num_kv_blocks if given, else the smallest shard's capacity; it must hold one full
+    sequence (a longer one could never be scheduled: preempted by its own growth, forever)."""
+    blocks = args.num_kv_blocks or min(capacities)
     if blocks * args.block_size < max_model_len:
+        key = ("num_kv_blocks" if args.num_kv_blocks else
+                     "gpu_memory_utilization" if cuda else "cpu_kv_cache_space_gib")
         raise ValueError(
-            f"the KV cache budget holds {blocks * args.block_size} tokens, fewer than "
-            f"max_model_len={max_model_len}: lower max_model_len, or raise "
-            f"{'gpu_memory_utilization' if cuda else 'cpu_kv_cache_space_gib'}")
+            f"the KV cache holds {blocks} blocks of {args.block_size} tokens, "
+            f"{blocks * args.block_size} tokens, fewer than max_model_len={max_model_len}: lower "
+            f"max_model_len, or raise {key}")
     return blocks
 
 

@@ -43,8 +43,10 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 def child_seed(seed: int, index: int) -> int:
-    """Distinct, reproducible seeds for the n samples of one seeded request."""
-    return seed if index == 0 else (seed * 0x9E3779B1 + index * 0x85EBCA77) % 2**63
+    """Distinct, reproducible seeds for the n samples of one seeded request: the int64 seed
+    as its 64 bits (one to one), times an odd number plus the index's share, mod 2**64, so
+    distinct seeds give distinct child seeds at each index (a generator takes [0, 2**64))."""
+    return seed if index == 0 else ((seed % 2**64) * 0x9E3779B1 + index * 0x85EBCA77) % 2**64
 
 
 @dataclass
@@ -389,14 +391,16 @@ class LLMEngine:
         p = seq.params
         num_tokens = len(seq.token_ids)
         num_output = num_tokens - seq.num_prompt_tokens
-        may_stop = num_output >= p.min_tokens
-        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = FinishReason.STOP  # the EOS token's text is not part of the output
-        elif may_stop and token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+        may_stop = num_output >= p.min_tokens  # the sampler bans stop tokens before it
+        eos = not p.ignore_eos and token in self.eos_token_ids
+        if may_stop and (eos or token in p.stop_token_ids):
+            if p.include_stop_str_in_output:  # vLLM's: the stop token's text is kept
+                detok.append(seq.token_ids)
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, None if eos else token
         else:
             delta = detok.append(seq.token_ids)
-            if may_stop and p.stop_list and delta:
+            # vLLM's rule: a stop string ends the output only past min_tokens tokens
+            if num_output > p.min_tokens and p.stop_list and delta:
                 hit = find_stop_string(detok.text, len(delta), p.stop_list)
                 if hit is not None:
                     stop, idx = hit

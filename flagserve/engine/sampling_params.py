@@ -31,11 +31,11 @@ def _require(ok: bool, name: str, message: str) -> None:
         raise ValueError(f"SamplingParams.{name} {message}")
 
 
-def _is_int(value: object, low: int = 0, high: int = INT32_MAX) -> bool:
+def is_int(value: object, low: int = 0, high: int = INT32_MAX) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def _is_number(value: object, low: float = -FLOAT32_MAX, high: float = FLOAT32_MAX) -> bool:
+def is_number(value: object, low: float = -FLOAT32_MAX, high: float = FLOAT32_MAX) -> bool:
     """A finite int or float in [low, high] (NaN and infinities never are)."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value) and low <= value <= high)
@@ -81,6 +81,7 @@ class SamplingParams:
         """Raise ValueError naming the first field out of range; normalise stop lists."""
         self._check_sampling()
         self._check_lengths()
+        self._check_flags()
         self._check_stops()
         if self.structured_outputs is not None:
             _require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
@@ -88,21 +89,21 @@ class SamplingParams:
             self.structured_outputs.validate()
 
     def _check_sampling(self) -> None:
-        _require(_is_int(self.n, 1, MAX_N), "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
-        _require(_is_number(self.temperature, 0), "temperature",
+        _require(is_int(self.n, 1, MAX_N), "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        _require(is_number(self.temperature, 0), "temperature",
                  f"must be a number in [0, 3.4e38] (finite in float32), got {self.temperature!r}")
-        _require(_is_number(self.top_p, 0, 1) and self.top_p > 0, "top_p",
+        _require(is_number(self.top_p, 0, 1) and self.top_p > 0, "top_p",
                  f"must be in (0, 1], got {self.top_p!r}")
-        _require(self.top_k == -1 or _is_int(self.top_k), "top_k",
+        _require(self.top_k == -1 or is_int(self.top_k), "top_k",
                  f"must be -1 or 0 (disabled) or an integer in [1, {INT32_MAX}], got {self.top_k!r}")
-        _require(_is_number(self.min_p, 0, 1), "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _require(is_number(self.min_p, 0, 1), "min_p", f"must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _require(_is_number(value, -2, 2), name, f"must be in [-2, 2], got {value!r}")
-        _require(_is_number(self.repetition_penalty, FLOAT32_TINY), "repetition_penalty",
+            _require(is_number(value, -2, 2), name, f"must be in [-2, 2], got {value!r}")
+        _require(is_number(self.repetition_penalty, FLOAT32_TINY), "repetition_penalty",
                  f"must be a number in [1.2e-38, 3.4e38] (> 0, finite in float32), "
                  f"got {self.repetition_penalty!r}")
-        _require(self.seed is None or _is_int(self.seed, SEED_MIN, SEED_MAX), "seed",
+        _require(self.seed is None or is_int(self.seed, SEED_MIN, SEED_MAX), "seed",
                  f"must be None or an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         self._check_logit_bias()
 
@@ -114,22 +115,31 @@ class SamplingParams:
         _require(isinstance(bias, dict), "logit_bias",
                  f"must be a dict of token id -> bias, got {type(bias).__name__}")
         bad = next(((t, b) for t, b in bias.items()
-                    if not (_is_int(t) and _is_number(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS))), None)
+                    if not (is_int(t) and is_number(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS))), None)
         if bad is not None:
             _require(False, "logit_bias", f"must map token ids in [0, {INT32_MAX}] to numbers in "
                      f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad[0]!r}: {bad[1]!r}")
 
     def _check_lengths(self) -> None:
-        _require(self.max_tokens is None or _is_int(self.max_tokens, 1), "max_tokens",
+        _require(self.max_tokens is None or is_int(self.max_tokens, 1), "max_tokens",
                  f"must be None or an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
-        _require(_is_int(self.min_tokens), "min_tokens",
+        _require(is_int(self.min_tokens), "min_tokens",
                  f"must be an integer in [0, {INT32_MAX}], got {self.min_tokens!r}")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _require(value is None or _is_int(value), name,
+            _require(value is None or is_int(value), name,
                      f"must be None or an integer in [0, {INT32_MAX}], got {value!r}")
+
+    def _check_flags(self) -> None:
+        # Checked by type: the detokenizer takes skip_special_tokens as a bool, and a value that
+        # reached it would fail the step and every request of the batch with it.
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), name, f"must be true or false, got {value!r}")
+        _require(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+                 f"must be a RequestOutputKind, got {self.output_kind!r}")
 
     def _check_stops(self) -> None:
         if self.stop is None:
@@ -141,13 +151,11 @@ class SamplingParams:
                      "stop", f"must be a string or a list of strings, got {self.stop!r}")
             self.stop_list = list(self.stop)
         _require(all(s for s in self.stop_list), "stop", "must not contain empty strings")
-        _require(isinstance(self.detokenize, bool), "detokenize",
-                 f"must be true or false, got {self.detokenize!r}")
         _require(self.detokenize or not self.stop_list, "stop",
                  "needs detokenize=True: stop strings are matched on the text")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        _require(isinstance(self.stop_token_ids, (list, tuple)) and all(map(_is_int, self.stop_token_ids)),
+        _require(isinstance(self.stop_token_ids, (list, tuple)) and all(map(is_int, self.stop_token_ids)),
                  "stop_token_ids", f"must be a list of token ids in [0, {INT32_MAX}], "
                  f"got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)

@@ -35,6 +35,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     if model_format(path) == "hf":
+        if not Path(path).is_dir():  # else transformers would fetch a Hub id of that name
+            raise FileNotFoundError(f"no tokenizer directory {str(path)!r}: point `tokenizer` (or "
+                                    "`model`) at a local HF directory or a .gguf file")
         return AutoTokenizer.from_pretrained(str(path))
     from flagserve.models.gguf_reader import read_gguf  # gguf + numpy: only for a .gguf model
     read_gguf(path)  # a missing or broken file: our one clear error, not transformers' trace
