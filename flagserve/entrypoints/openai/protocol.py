@@ -6,9 +6,19 @@ silently dropped (unhonoured.py lists the OpenAI fields accepted unused and thos
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.structured_outputs.params import StructuredOutputsParams
@@ -37,21 +47,22 @@ class StreamOptions(Strict):
         return "every" if self.continuous_usage_stats else "last"
 
 
+# Numbers as JSON numbers (an int too), not strings or booleans that lax parsing would take.
 class _Request(OutputNeutral):
     model: str | None = None  # None: the only (or first) served model
     n: StrictInt = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None  # checks.check_stream: only with stream
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
     # vLLM extras
     top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     stop_token_ids: list[StrictInt] | None = None
@@ -60,7 +71,7 @@ class _Request(OutputNeutral):
     # Constraints on the output (structured.py): OpenAI's, or vLLM's field
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    logit_bias: dict[str, StrictFloat] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM's: per prompt token, its logprob and the top-N alternatives (scoring, lm-eval)
     prompt_logprobs: StrictInt | None = None
 
@@ -93,15 +104,18 @@ class _Request(OutputNeutral):
         return self.stream_options.usage if self.stream_options is not None else "none"
 
 
+TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
 def token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias, whose keys are token ids written as strings; {} asks for nothing."""
     if not bias:
         return None
-    try:
-        return {int(token): value for token, value in bias.items()}
-    except ValueError:
+    bad = [token for token in bias if not TOKEN_ID.fullmatch(token)]  # int() takes " 1_0 " too
+    if bad:
         raise ValueError(f"SamplingParams.logit_bias keys must be token ids (integers, as "
-                         f"strings in JSON), got {list(bias)[:5]}") from None
+                         f"strings in JSON), got {bad[:5]}")
+    return {int(token): value for token, value in bias.items()}
 
 
 Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
