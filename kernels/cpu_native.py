@@ -24,6 +24,7 @@ native (fail if it does not build) | torch (the reference).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import time
@@ -75,28 +76,45 @@ def _build_name() -> str:
     return f"flagserve_cpu_kernels_{key.hexdigest()[:12]}"
 
 
+def library_path() -> Path:
+    """Where this machine's build of the current sources is (or goes)."""
+    name = _build_name()
+    return CACHE / name / f"{name}.so"
+
+
 @cache
 def load_library() -> bool:
     """Builds (once per machine) and loads the ops into torch.ops.flagserve_cpu."""
+    library = library_path()
+    directory = library.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    # An flock, which the kernel drops when its holder dies: torch's own lock file outlives a
+    # build killed midway and makes every later build wait on it forever.
+    with open(directory / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if library.exists():
+            # As it is, whichever checkout built it (the name is its sources' hash): load()
+            # would rebuild it for this checkout's paths, checkouts taking turns.
+            torch.ops.load_library(str(library))
+        else:
+            (directory / "lock").unlink(missing_ok=True)  # a killed build's: none runs now
+            _build(directory.name, directory)  # and loads it
+    return True
+
+
+def _build(name: str, directory: Path) -> None:
     from torch.utils import cpp_extension
 
-    name = _build_name()
-    directory = CACHE / name
-    built = (directory / f"{name}.so").exists()
-    if not built:
-        log.info("building FlagServe's CPU kernels (once per machine, ~40 s on 2 cores) into %s",
-                 directory)
+    log.info("building FlagServe's CPU kernels (once per machine, ~40 s on 2 cores) into %s",
+             directory)
     start = time.perf_counter()
-    directory.mkdir(parents=True, exist_ok=True)
     # -fopenmp: the kernels' own pool (csrc/cpu_pool.cpp) asks OpenMP for the engine's core
     # binding; the libgomp it links resolves to the one torch already loaded (same soname).
     cpp_extension.load(name, [str(s) for s in SOURCES],
                        extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability(cpu_flags())],
                        extra_ldflags=["-fopenmp"], build_directory=str(directory),
                        is_python_module=False, verbose=False)
-    if not built:
-        log.info("built the CPU kernels in %.1f s", time.perf_counter() - start)
-    return True
+    log.info("built the CPU kernels in %.1f s", time.perf_counter() - start)
 
 
 def kernels_mode(requested: str | None = None) -> CpuKernels:

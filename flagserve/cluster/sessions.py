@@ -40,10 +40,23 @@ def session_members(record: ProcessRecord) -> list[psutil.Process]:
             continue
     leader = live_process(record)
     if leader is None and members:
-        # The leader is gone and its pid might be reused by a new session leader: only
-        # processes started after the recorded one can belong to it.
+        if _reused(record):
+            # Linux frees a pid only once no process has it as its session id either: another
+            # process holding it means the recorded session has no one left (these are the
+            # new holder's).
+            return []
+        # The leader is gone and its pid may have been a new session leader's since: only
+        # processes started after the recorded one can belong to the recorded session.
         members = [p for p in members if _safe_create_time(p) >= record.create_time - 1.0]
     return members
+
+
+def _reused(record: ProcessRecord) -> bool:
+    """Whether a process other than the recorded one holds its pid now."""
+    try:
+        return abs(psutil.Process(record.pid).create_time() - record.create_time) >= 1.0
+    except psutil.Error:
+        return False
 
 
 def _safe_create_time(proc: psutil.Process) -> float:

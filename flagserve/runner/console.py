@@ -3,6 +3,7 @@ command lines to copy, the end of a log."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 import time
@@ -88,9 +89,31 @@ def print_ready(config: Config, url: str, where: str = "", hints: bool = True) -
           f"  stop:   {same_command('stop')}", flush=True)
 
 
+# An exception's summary line in a traceback ("ValueError: ...", "safetensors.SafetensorError: ..."),
+# after Ray's colours and its "(ServeReplica:app:llm pid=N)" prefix of a worker's lines
+ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): (?!Traceback \(most)")
+RAY_PREFIX = re.compile(r"^\([^)]*pid=\d+[^)]*\)\s*")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def tail(log: Path | None, lines: int) -> str:
-    """The last `lines` lines of a log, headed by its path ("" when there is none)."""
+    """What a failed start's log says: its first errors, then its last `lines` lines, headed
+    by its path ("" when there is none)."""
     if log is None or not log.exists():
         return ""
-    text = log.read_text(errors="replace").splitlines()[-lines:]
-    return f"last lines of {log}:\n" + "\n".join(text)
+    text = log.read_text(errors="replace").splitlines()
+    first = _first_errors(text)
+    return "\n".join([*first, f"last lines of {log}:", *text[-lines:]])
+
+
+def _first_errors(lines: list[str], most: int = 5) -> list[str]:
+    """The first distinct exception lines: where the failure began (the tail holds what
+    failed after it: Serve's deploy error, shutdown noise)."""
+    found: list[str] = []
+    for line in lines:
+        line = RAY_PREFIX.sub("", ANSI.sub("", line).strip())
+        if ERROR_LINE.match(line) and line[:400] not in found:
+            found.append(line[:400])
+            if len(found) == most:
+                break
+    return ["first errors in the log:", *(f"  {e}" for e in found)] if found else []

@@ -16,10 +16,15 @@ from flagserve.config.schema import Config
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def hook_env(config: Config) -> dict[str, str]:
+    """This environment plus `experiment.envs`: where after_stop runs (before_start's exports
+    are the server's; running before_start again to get them would repeat its side effects)."""
+    return {**os.environ, **{k: env_value(v) for k, v in config.experiment.envs.items()}}
+
+
 def server_env(config: Config, token_file: Path | None = None) -> dict[str, str]:
     env = dict(SERVE_ENV)  # Ray Serve's latency settings; the caller's environment wins
-    env.update(os.environ)
-    env.update({k: env_value(v) for k, v in config.experiment.envs.items()})
+    env.update(hook_env(config))
     if config.experiment.cmds.before_start:
         env = _env_after(config.experiment.cmds.before_start, env, "experiment.cmds.before_start")
     # Ray workers import flagserve even when it is not pip-installed.

@@ -23,7 +23,7 @@ from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.runner.console import Progress, print_ready, same_command, tail
 from flagserve.runner.deployment import Deployment
-from flagserve.runner.environment import run_hook, server_env
+from flagserve.runner.environment import hook_env, run_hook, server_env
 from flagserve.runner.launcher import server_grace_s, spawn, terminate
 from flagserve.runner.locate import running_elsewhere
 from flagserve.runner.ray_logs import remove_ray_temp_dir
@@ -148,7 +148,7 @@ class LocalDeployment(Deployment):
             print(f"could not stop: {', '.join(survivors)}", file=sys.stderr)
             return 1
         self._forget(keep_logs=True)
-        run_hook(config.experiment.cmds.after_stop, server_env(config), "experiment.cmds.after_stop")
+        run_hook(config.experiment.cmds.after_stop, hook_env(config), "experiment.cmds.after_stop")
         pids = ", ".join(str(r.pid) for r in records)
         print(f"{config.experiment.exp_name}: stopped (session of pid {pids}; no process left)")
         return 0

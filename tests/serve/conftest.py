@@ -81,6 +81,9 @@ def deployment(request, tmp_path_factory) -> Deployment:
         # CLI overrides under test: renamed model, smaller context and batch.
         "serve.llm.model_name=tiny-test", "serve.llm.engine_args.max_model_len=512",
         "serve.llm.engine_args.max_num_seqs=16",
+        # Hooks: each runs once (test_stop_leaves_no_process reads the file).
+        f"experiment.cmds.before_start='echo start >> {exp_dir}/hooks'",
+        f"experiment.cmds.after_stop='echo stop >> {exp_dir}/hooks'",
         # A user module composed from the command line, preprocessing the LLM's requests.
         "+serve.retriever.module=examples/custom_graph/retriever.py",
         "+serve.retriever.name=Retriever", "serve.llm.depends=[retriever]",

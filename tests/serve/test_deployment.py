@@ -356,6 +356,7 @@ def test_stop_leaves_no_process(deployment):
     assert all(not session_members(r) for r in records)
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{deployment.url}/health", timeout=5)
+    assert (deployment.exp_dir / "hooks").read_text().split() == ["start", "stop"]  # once each
     again = deployment.run_py("stop")
     assert again.returncode == 0 and "nothing to stop" in again.stdout
     status = deployment.run_py("status")

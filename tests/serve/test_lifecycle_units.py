@@ -164,3 +164,41 @@ def test_stop_counts_an_exited_process_no_one_has_reaped_as_gone():
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_reused_pid_and_its_session_are_not_the_recorded_ones():
+    """Records of a run long gone (a reboot, a crash) whose leader's pid another session
+    leader holds now: stop must not take that session for the recorded one."""
+    import subprocess
+
+    import psutil
+
+    from flagserve.cluster.records import ProcessRecord
+    from flagserve.cluster.sessions import session_members
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        started = psutil.Process(other.pid).create_time()
+        stale = ProcessRecord("server", other.pid, started - 100, ["sleep"], None)
+        assert session_members(stale) == []
+        own = dataclasses.replace(stale, create_time=started)
+        assert [p.pid for p in session_members(own)] == [other.pid]
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_failed_start_shows_the_logs_first_errors_before_its_tail(tmp_path):
+    """The cause of a failed start sits mid-log (a worker's traceback, behind Ray's colours
+    and prefix); the tail holds what failed after it."""
+    log = tmp_path / "server.log"
+    log.write_text("\n".join([
+        "starting Ray",
+        "\x1b[36m(ServeController pid=28118)\x1b[0m RuntimeError: Traceback (most recent call last):",
+        "\x1b[36m(ServeController pid=28118)\x1b[0m safetensors._rust.SafetensorError: invalid header length",
+        *[f"noise {i}" for i in range(50)],
+        "RuntimeError: Deploying application x failed"]))
+    text = console.tail(log, 3)
+    assert text.splitlines()[:3] == [
+        "first errors in the log:", "  safetensors._rust.SafetensorError: invalid header length",
+        "  RuntimeError: Deploying application x failed"]
+    assert text.splitlines()[-1] == "RuntimeError: Deploying application x failed"

@@ -125,8 +125,9 @@ class OpenAIIngress:
             while own_start:
                 own_start.pop()()
 
-        self.engines: dict[str, EngineClient] = {r.module_id: r.engine.connect(metrics_hub, meanwhile)
-                                                 for r in routes}
+        self.engines: dict[str, EngineClient] = {}  # filled one by one: __del__ stops those made
+        for r in routes:
+            self.engines[r.module_id] = r.engine.connect(metrics_hub, meanwhile)
         meanwhile()
         # A tokenizer deployment's template is not at hand here: `auto` takes the default parser.
         self.tool_parsers = {r.module_id: choose_parser(r.tool_call_parser, self._template(r))
