@@ -14,7 +14,8 @@ WILDCARD_BINDS = ("0.0.0.0", "::")
 def url_of(bind: str, port: int, wildcard_via: str = "127.0.0.1") -> str:
     """The URL of a server bound to `bind`. A wildcard bind listens on every interface, so
     it is reached at `wildcard_via`: loopback on its own host, its address from elsewhere."""
-    return f"http://{wildcard_via if bind in WILDCARD_BINDS else bind}:{port}"
+    host = wildcard_via if bind in WILDCARD_BINDS else bind
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # IPv6 in brackets
 
 
 def request(url: str, body: dict[str, Any] | None = None, api_key: str | None = None,

@@ -34,12 +34,17 @@ class HostfileError(ValueError):
 HOST_KEYS = ("slots", "type", "ssh_port", "user")
 _ADDRESS_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.:_-]*[A-Za-z0-9])?$")  # IPv4/6 or a host name
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+DIGITS = re.compile(r"[0-9]{1,9}")  # str.isdigit() takes "²", which int() refuses
 USAGE = "`IP slots=N [type=gpu|cpu|NAME] [ssh_port=N] [user=NAME]`"
 
 
 def parse_hostfile(path: str | Path) -> list[Host]:
     """The hosts of a FlagScale hostfile, head first. Errors name the file, line and text."""
-    return parse_hostfile_text(Path(path).read_text(), str(path))
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise HostfileError(f"{path}: not UTF-8 text (byte {err.start}): is it a hostfile?") from None
+    return parse_hostfile_text(text, str(path))
 
 
 def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
@@ -73,10 +78,10 @@ def _parse_line(body: str, where: str) -> Host:
             raise HostfileError(f"{where}: {key}= given twice")
         values[key] = value
     slots = values.get("slots")
-    if slots is None or not slots.isdigit() or int(slots) < 1:
+    if slots is None or not DIGITS.fullmatch(slots) or int(slots) < 1:
         raise HostfileError(f"{where}: needs slots=N with N >= 1 (devices of the host)")
     port = values.get("ssh_port")
-    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+    if port is not None and not (DIGITS.fullmatch(port) and 1 <= int(port) <= 65535):
         raise HostfileError(f"{where}: ssh_port must be a TCP port (1..65535), got {port!r}")
     for key in ("type", "user"):
         if key in values and not _NAME_RE.match(values[key]):

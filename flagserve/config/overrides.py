@@ -60,10 +60,10 @@ def override_error(err: Exception) -> ConfigError:
     if full_key and "not in struct" in str(cause):
         *parent, key = str(full_key).split(".")
         known = known_keys(parent)
-        if known is not None and key in known:
+        if known is None or key in known:  # a schema key, or one of a free-form mapping (envs)
             return ConfigError(str(full_key), "is not listed in this config file",
                                f"add it with +{full_key}=<value>")
-        return unknown_key_error(".".join(parent), key, known or [])
+        return unknown_key_error(".".join(parent), key, known)
     first, _, rest = text.partition("\n")
     if type(err).__name__ == "MissingConfigException":  # a config group option, or the file
         group = re.match(r"In '([^']+)': (.*)", first)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config, LLMModule, Role, RoleConfig
-from flagserve.config.topology import ROLES, uses_gpu
+from flagserve.config.topology import ROLES, engine_args_for, role_module, uses_gpu
 
 # EngineArgs that shape a KV block or what the blocks mean: one value for both roles.
 SHARED_ARGS = ("model", "tokenizer", "dtype", "device", "block_size", "tensor_parallel_size",
@@ -35,6 +35,7 @@ def check_disaggregation(config: Config, module_id: str, module: LLMModule,
                           f"{path}.disaggregation.decode.num_replicas instead")
     for role in ROLES:
         _check_role(f"{path}.disaggregation.{role}", getattr(module.disaggregation, role))
+        _check_role_engine_args(f"{path}.disaggregation.{role}", role_module(module, role))
         _check_scaling(f"{path}.disaggregation.{role}", role, getattr(module.disaggregation, role))
         _check_host(config, f"{path}.disaggregation.{role}.host",
                     getattr(module.disaggregation, role).host, hosts)
@@ -74,6 +75,16 @@ def _check_role(path: str, role: RoleConfig) -> None:
             raise ConfigError(f"{path}.resources.{name}", f"must be >= 0, got {value}", "e.g. 1")
     if (ongoing := role.resources.max_ongoing_requests) is not None and ongoing < 1:
         raise ConfigError(f"{path}.resources.max_ongoing_requests", "must be >= 1", "e.g. 256")
+
+
+def _check_role_engine_args(path: str, module: LLMModule) -> None:
+    """The role's engine_args over the module's, as its engines are built with them."""
+    try:
+        engine_args_for(module)
+    except (ValueError, TypeError) as err:
+        key, _, message = str(err).removeprefix("EngineArgs.").partition(" ")
+        raise ConfigError(f"{path}.engine_args.{key}", message or str(err),
+                          "see `EngineArgs` in flagserve/engine/engine_args.py") from None
 
 
 # Each role's autoscaling target: its key, what it counts, its default (topology.role_scaling)

@@ -44,8 +44,8 @@ def execute(cfg: DictConfig | dict) -> int:
 
 def load(cfg: DictConfig | dict) -> tuple[Config, list[Host]]:
     config, notes = parse_config(cfg)
+    validate_experiment(config)  # first: an empty exp_dir would resolve to the working directory
     resolve_paths(config, Path.cwd())
-    validate_experiment(config)
     # stop and status work from the run's records: a hostfile edited or deleted since is fine
     hosts = inventory(config) if config.action in ("run", "test", "plan", "bench") else []
     if config.action in ("stop", "status"):

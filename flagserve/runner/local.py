@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -55,13 +56,17 @@ class LocalDeployment(Deployment):
             print(f"{config.experiment.exp_name} cannot start: {err}; stop it first, or pick "
                   "another port (experiment.runner.deploy.port)", file=sys.stderr)
             return 1
+        created = not paths.root.exists()
         try:
             _check_port_free(config)
-            created = not paths.root.exists()
             paths.make()
             clear(paths)
             self.save_config()
             proc, record, log = self._spawn(lock)
+        except BaseException:  # before_start failed, say: a failed run leaves nothing behind
+            if created:
+                shutil.rmtree(paths.root, ignore_errors=True)
+            raise
         finally:
             os.close(lock)  # the serving process holds the lock now (or nobody does)
         if config.foreground:
@@ -200,12 +205,23 @@ class LocalDeployment(Deployment):
 
 
 def _check_port_free(config: Config) -> None:
-    """No other program listens on the port (FlagServe runs are ruled out by its lock)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """The host is an address of this machine, and no other program listens on the port
+    (FlagServe runs are ruled out by its lock)."""
+    host, port = config.deploy.host, config.deploy.port
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise ConfigError("experiment.runner.deploy.host", f"{host!r} does not resolve ({err.strerror})",
+                          "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    with socket.socket(family, kind) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((config.deploy.host, config.deploy.port))
+            s.bind(address)
         except OSError as err:
+            if err.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError("experiment.runner.deploy.host", f"{host} is not an address of "
+                                  "this machine", "127.0.0.1 (this machine only) or 0.0.0.0 "
+                                  "(every interface)") from None
             raise ConfigError("experiment.runner.deploy.port",
-                              f"{config.deploy.host}:{config.deploy.port} is not available ({err.strerror})",
+                              f"{host}:{port} is not available ({err.strerror})",
                               "pick a free port, e.g. experiment.runner.deploy.port=8001") from None

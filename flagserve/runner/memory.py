@@ -44,10 +44,14 @@ def count_params(model: Path, cfg: ModelConfig) -> int:
         return gguf_param_count(model)  # as dequantized: the engine holds them in its dtype
     total = 0
     for file in sorted(model.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+        try:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+        except (struct.error, ValueError, TypeError, KeyError, AttributeError) as err:
+            raise ValueError(f"{file}: not a whole safetensors file ({type(err).__name__}: "
+                             f"{str(err)[:120]})") from None
     if total:
         return total
     # No weights on disk (a plan made before downloading): estimate from the shapes.
@@ -79,7 +83,11 @@ def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
     dtype = auto_dtype(cfg, gpu) if args.dtype == "auto" else args.dtype
     elem = DTYPE_BYTES.get(dtype, 4)
     tp, pp = module.tensor_parallel_size, module.pipeline_parallel_size
-    params = count_params(Path(args.model), cfg)
+    try:
+        params = count_params(Path(args.model), cfg)
+    except ValueError as err:
+        raise ConfigError(f"serve.{module_id}.engine_args.model", str(err),
+                          "point it at a complete checkpoint (a download cut short?)") from None
     weights = params * elem // (tp * pp)
     if not gpu and cfg.checkpoint_format == "gguf" and dtype == "float32":
         weights += gguf_cpu_block_bytes(args.model) // (tp * pp)

@@ -22,10 +22,14 @@ def test_hostfile(tmp_path):
     hosts = parse_hostfile(path)
     assert [(h.address, h.num_gpus, h.ssh_port, h.user) for h in hosts] == [
         ("10.0.0.1", 8, None, None), ("10.0.0.2", 4, 2222, "u"), ("10.0.0.3", 0, None, None)]
-    for bad in ("10.0.0.1", "10.0.0.1 slots=x", "10.0.0.1 slots=2 gpus=2"):
+    for bad in ("10.0.0.1", "10.0.0.1 slots=x", "10.0.0.1 slots=2 gpus=2", "10.0.0.1 slots=\u00b2",
+                "10.0.0.1 slots=2 ssh_port=\u0662\u0662"):  # digits that str.isdigit() takes
         path.write_text(bad + "\n")
         with pytest.raises(HostfileError, match=":1:"):
             parse_hostfile(path)
+    path.write_bytes(b"\xff\xfe10.0.0.1 slots=1\n")
+    with pytest.raises(HostfileError, match="not UTF-8"):
+        parse_hostfile(path)
 
 
 class FakeEngine:

@@ -124,6 +124,7 @@ def test_tokenizer_deployment_is_optional(capsys):
     (["+serve.llm.engine_args.max_num_seq=8"], "serve.llm.engine_args.max_num_seq",
      "did you mean `max_num_seqs`"),
     (["+experiment.runner.deploy.prot=1"], "experiment.runner.deploy.prot", "did you mean `port`"),
+    (["experiment.exp_dir="], "experiment.exp_dir", "must not be empty"),  # not the working dir
     (["serve.llm.engine_args.max_num_seqs=many"], "serve.llm.engine_args.max_num_seqs", "integer"),
     (["serve.llm.engine_args.max_num_seqs=0"], "serve.llm.engine_args.max_num_seqs", ">= 1"),
     (["experiment.runner.deploy.port=http"], "experiment.runner.deploy.port", "integer"),
@@ -289,6 +290,8 @@ def test_schema_keys_missing_from_a_file_name_the_plus_form():
     assert str(override_error(err)) == (
         "config error at `serve.llm.engine_args.seed`: is not listed in this config file\n"
         "  fix: add it with +serve.llm.engine_args.seed=<value>")
+    cause.full_key = "experiment.envs.FOO"  # a free-form mapping: the same fix, not a did-you-mean
+    assert str(override_error(err)).endswith("fix: add it with +experiment.envs.FOO=<value>")
 
 
 def test_the_default_graph_serves_smollm2(capsys):
@@ -314,3 +317,14 @@ def test_commands_resolve_the_config_without_importing_torch(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1] == "torch imported: False", out.stdout
+
+
+def test_a_truncated_checkpoint_is_a_config_error_in_plan(capsys, tmp_path, llama_path):
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(llama_path, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a download cut short
+    code, _, err = run(capsys, f"serve.llm.engine_args.model={model}")
+    assert code == EXIT_CONFIG and "Traceback" not in err, err
+    assert "`serve.llm.engine_args.model`" in err and "not a whole safetensors file" in err

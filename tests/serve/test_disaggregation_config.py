@@ -47,6 +47,8 @@ def test_plan_shows_what_each_autoscaled_role_scales_on(capsys):
      "serve.llm.disaggregation.decode.engine_args.block_size", "same for both roles"),
     ([SPLIT, "+serve.llm.disaggregation.decode.engine_args.max_num_seq=8"],
      "serve.llm.disaggregation.decode.engine_args.max_num_seq", "did you mean `max_num_seqs`"),
+    ([SPLIT, "+serve.llm.disaggregation.prefill.engine_args.max_num_seqs=-3"],
+     "serve.llm.disaggregation.prefill.engine_args.max_num_seqs", "must be an integer >= 1"),
     ([SPLIT, "+serve.llm.disaggregation.decode.replicas=2"],
      "serve.llm.disaggregation.decode.replicas", "did you mean `num_replicas`"),
     ([SPLIT, "+serve.llm.disaggregation.kv_transfer=rdma"],

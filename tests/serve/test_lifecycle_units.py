@@ -202,3 +202,15 @@ def test_a_failed_start_shows_the_logs_first_errors_before_its_tail(tmp_path):
         "first errors in the log:", "  safetensors._rust.SafetensorError: invalid header length",
         "  RuntimeError: Deploying application x failed"]
     assert text.splitlines()[-1] == "RuntimeError: Deploying application x failed"
+
+
+@pytest.mark.parametrize("host,words", [("notahost.invalid", "does not resolve"),
+                                        ("192.0.2.1", "is not an address of this machine")])
+def test_a_bad_deploy_host_is_named_not_taken_for_a_port_in_use(host, words):
+    from types import SimpleNamespace
+
+    from flagserve.config.errors import ConfigError
+    from flagserve.runner.local import _check_port_free
+    with pytest.raises(ConfigError) as err:
+        _check_port_free(SimpleNamespace(deploy=SimpleNamespace(host=host, port=41997)))
+    assert err.value.key == "experiment.runner.deploy.host" and words in str(err.value)
