@@ -23,6 +23,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from itertools import count
 from pathlib import Path
 
@@ -136,7 +137,7 @@ def _record_cluster(config: Config) -> None:
 
 
 def _serve_until(stop: threading.Event, config: Config, hosts: list[Host]) -> None:
-    """Deploy the graph; on `stop`, shut Serve down."""
+    """Deploy the graph; on `stop`, shut Serve down (also while it is still deploying)."""
     from ray import serve
 
     from flagserve.serve.app import build_app
@@ -149,10 +150,17 @@ def _serve_until(stop: threading.Event, config: Config, hosts: list[Host]) -> No
     name = config.experiment.exp_name
     log.info("deploying %s: %s (each engine replica loads its model)", name,
              ", ".join(g.name for g in engine_groups(config)))
-    serve.run(build_app(config, hosts), name=name, route_prefix="/")
-    log.info("serving %s at %s", name, _bind_url(config))
-    while not stop.wait(0.25):
+    # serve.run waits until every replica is up (model loads: minutes); on a thread, so that
+    # a stop meanwhile deletes the application at once instead of after the wait.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="deploy")
+    deployed = pool.submit(serve.run, build_app(config, hosts), name=name, route_prefix="/")
+    pool.shutdown(wait=False)
+    while not stop.wait(0.25) and not deployed.done():
         pass
+    if not stop.is_set():
+        deployed.result()  # a failed deploy raises here, as serve.run did
+        log.info("serving %s at %s", name, _bind_url(config))
+        stop.wait()
     # Deleting the application first drains every replica (up to deploy.drain_timeout_s)
     # while Serve's HTTP proxy, which serve.shutdown() kills at once, still delivers their
     # responses.
