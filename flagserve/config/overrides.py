@@ -72,6 +72,13 @@ def override_error(err: Exception) -> ConfigError:
                            group.group(2) if group else first,
                            f"use one of: {', '.join(options)}" if options
                            else "check --config-path and --config-name")
+    if "LexerNoViableAltException" in first or "mismatched input" in first:
+        # Hydra's grammar: a value with spaces or shell characters needs quotes, and one
+        # argument holds one override
+        override = first.split(": ", 1)[-1] if "Lexer" in first else "command line"
+        return ConfigError(override.partition("=")[0] or "command line", f"cannot be parsed: {first}",
+                           "one override per argument, a value with spaces or shell characters "
+                           "in quotes: \"key='echo a; exit 3'\"")
     quoted = re.search(r"'([^']+)'", text)
     return ConfigError(quoted.group(1) if quoted else "command line", first,
                        rest.strip().replace("\n", "; ") or "see README.md, Config reference")

@@ -85,7 +85,8 @@ def _check_limits(limits: ApiLimits) -> None:
         if value is not None and value < 1:
             default = getattr(ApiLimits(), key)
             raise ConfigError(f"experiment.runner.deploy.limits.{key}", f"must be >= 1, got {value}",
-                              f"raise it (default {default})")
+                              f"raise it (default {default})" if default is not None
+                              else "raise it, or set it to null (the default: no limit)")
 
 
 def validate_graph(config: Config, hosts: list[Host]) -> None:
@@ -147,6 +148,11 @@ def _check_llm(module_id: str, module: LLMModule) -> None:
                           f"set {path}.engine_args.model=/path/to/hf_model_dir or /path/to/model.gguf "
                           f"(or {path}.builtin_model=smollm2-135m-instruct, or {path}.tiny_model=llama)")
     model_cfg = _model_config(f"{path}.engine_args.model", Path(str(model)))
+    tokenizer = module.engine_args.get("tokenizer")
+    if tokenizer and not Path(str(tokenizer)).exists():
+        raise ConfigError(f"{path}.engine_args.tokenizer", f"{tokenizer!r} does not exist",
+                          "point it at a local tokenizer directory or .gguf file, or set it to "
+                          "null for the model's own")
     max_len = module.engine_args.get("max_model_len")
     if isinstance(max_len, int) and max_len > model_cfg.max_position_embeddings:
         raise ConfigError(f"{path}.engine_args.max_model_len",

@@ -107,8 +107,11 @@ class LocalDeployment(Deployment):
         url = self.endpoint
         if not http.wait_healthy(url, self.config.deploy.startup_timeout_s,
                                  lambda: proc.poll() is None, self.progress.show):
-            print(f"{self.config.experiment.exp_name} did not become healthy at {url}/health",
-                  file=sys.stderr)
+            timeout = self.config.deploy.startup_timeout_s
+            why = (f"did not become healthy within {timeout:g} s "
+                   f"(experiment.runner.deploy.startup_timeout_s)" if proc.poll() is None
+                   else f"exited with {proc.returncode} before it became healthy")
+            print(f"{self.config.experiment.exp_name} {why} at {url}/health", file=sys.stderr)
             print(tail(log, LOG_LINES), file=sys.stderr)
             terminate(record, grace_s=10.0)
             self._forget(keep_logs=not created)

@@ -116,7 +116,7 @@ def _init_ray(config: Config, cluster: dict | None) -> list[Host]:
                  logging_level=logging.WARNING)
         return [Host(**h) for h in cluster["hosts"]]
     hosts = [local_host(config.experiment.envs)]
-    log.info("starting a Ray cluster on this host (listening on loopback only)")
+    log.info("starting a Ray cluster on this host (its listeners on loopback; README: What listens where)")
     ray.init(namespace=config.namespace, include_dashboard=False, num_cpus=logical_cpus(config),
              object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING,
              _temp_dir=ray_temp_dir(config.experiment.exp_dir, LOCAL_HOST))

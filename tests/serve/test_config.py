@@ -129,6 +129,8 @@ def test_tokenizer_deployment_is_optional(capsys):
     (["serve.llm.engine_args.max_num_seqs=0"], "serve.llm.engine_args.max_num_seqs", ">= 1"),
     (["experiment.runner.deploy.port=http"], "experiment.runner.deploy.port", "integer"),
     (["serve.llm.engine_args.model=/no/such/model"], "serve.llm.engine_args.model", "does not exist"),
+    (["serve.llm.engine_args.tokenizer=/no/such/tokenizer"], "serve.llm.engine_args.tokenizer",
+     "does not exist"),
     (["serve.llm.engine_args.max_model_len=4096"], "serve.llm.engine_args.max_model_len", "2048"),
     (["serve.llm.engine=sglang"], "serve.llm.engine", "serve.llm.engine=flagserve"),
     (["action=deploy"], "action", "run, stop, status, test, plan"),
@@ -292,6 +294,16 @@ def test_schema_keys_missing_from_a_file_name_the_plus_form():
         "  fix: add it with +serve.llm.engine_args.seed=<value>")
     cause.full_key = "experiment.envs.FOO"  # a free-form mapping: the same fix, not a did-you-mean
     assert str(override_error(err)).endswith("fix: add it with +experiment.envs.FOO=<value>")
+
+
+def test_an_override_hydra_cannot_parse_gets_the_quoting_fix():
+    from hydra.errors import OverrideParseException
+
+    from flagserve.config.overrides import override_error
+    with pytest.raises(OverrideParseException) as err:
+        composed("experiment.cmds.before_start=echo a >&2; exit 3")
+    error = override_error(err.value)
+    assert error.key == "experiment.cmds.before_start" and "in quotes" in error.fix
 
 
 def test_the_default_graph_serves_smollm2(capsys):
