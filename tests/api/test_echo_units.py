@@ -88,8 +88,10 @@ def test_echo_prefixes_text_and_logprobs_with_the_prompt():
     lps = choice["logprobs"]
     assert lps["tokens"] == ["<s>", "Hel", "lo", " wor", "ld"]
     assert lps["token_logprobs"] == [None, -2.0, -0.1, -0.3, -0.7]
-    # top-1 by rank: the prompt was scored with 2, the request asks for 1
-    assert lps["top_logprobs"] == [None, {"A": -0.5}, {"lo": -0.1}, {" wor": -0.3}, {"X": -0.2}]
+    # top-1 by rank (the prompt was scored with 2, the request asks for 1), and the token
+    # itself where it is not that one (OpenAI's: up to logprobs + 1 entries)
+    assert lps["top_logprobs"] == [None, {"A": -0.5, "Hel": -2.0}, {"lo": -0.1}, {" wor": -0.3},
+                                   {"X": -0.2, "ld": -0.7}]
     assert lps["text_offset"] == [0, 3, 6, 8, 12]
     for token, offset in zip(lps["tokens"], lps["text_offset"]):
         assert choice["text"][offset:offset + len(token)] == token

@@ -97,6 +97,8 @@ class CompletionLogprobs:
                 ranked = sorted((lp for lp in entry.values() if lp.rank and lp.rank <= top_n),
                                 key=lambda lp: lp.rank)
                 top = {(lp.decoded_token or ""): lp.logprob for lp in ranked}
+                if len(ranked) == top_n:  # OpenAI's "and the chosen token": up to top_n + 1
+                    top.setdefault(text, logprob)
             self.tokens.append(text)
             self.token_logprobs.append(logprob)
             self.top_logprobs.append(top)
