@@ -45,7 +45,6 @@ from flagserve.bench.throughput_roofline import (
 )
 from flagserve.bench.throughput_shapes import Shape, write_shape
 from flagserve.models.config import DTYPE_BYTES, load_model_config, transformers_location
-from flagserve.models.gguf import gguf_weight_bytes
 
 
 @dataclass
@@ -295,6 +294,7 @@ def roofline(args: argparse.Namespace, cfg, work: Workload, steps: int, seconds:
     # No more bytes than the checkpoint holds (a bf16 one run in float32 has bf16 values, a
     # GGUF file quantized blocks, which the CPU kernels store as such: layers/cpu_matmul.py).
     if cfg.checkpoint_format == "gguf":
+        from flagserve.models.gguf import gguf_weight_bytes  # the gguf package: not on GPU images
         weights = min(weight_bytes(cfg, elem), gguf_weight_bytes(args.model))
     else:
         weights = weight_bytes(cfg, min(elem, DTYPE_BYTES.get(cfg.torch_dtype, elem)))

@@ -9,8 +9,8 @@ from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.llm_engine import LLMEngine
 from flagserve.engine.outputs import RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from flagserve.entrypoints.openai.template_input import template_message
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
-from flagserve.entrypoints.openai.tools import template_message
 
 # A string, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
 Prompt = str | list[int] | dict

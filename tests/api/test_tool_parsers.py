@@ -8,10 +8,10 @@ from typing import get_args
 
 import pytest
 
+from flagserve.entrypoints.openai.template_input import template_message
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 from flagserve.entrypoints.openai.tool_output import ToolOutput, full_message, stream_step
 from flagserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, HermesParser, ParsedCall, choose_parser
-from flagserve.entrypoints.openai.tools import template_message
 
 TWO = ('Let me check. <tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
        '<tool_call>{"name": "time", "arguments": {"tz": "CET"}}</tool_call>')

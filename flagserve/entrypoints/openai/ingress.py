@@ -64,10 +64,10 @@ from flagserve.entrypoints.openai.responses import (
     sse_response,
 )
 from flagserve.entrypoints.openai.streams import batches, cancel_on_close, prepend
+from flagserve.entrypoints.openai.template_input import template_message
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 from flagserve.entrypoints.openai.tool_output import ToolOutput
 from flagserve.entrypoints.openai.tool_parsers import choose_parser
-from flagserve.entrypoints.openai.tools import template_message
 from flagserve.entrypoints.openai.unhonoured import unknown_field_message
 
 log = logging.getLogger(__name__)

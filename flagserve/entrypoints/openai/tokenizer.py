@@ -19,7 +19,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from flagserve.entrypoints.openai.tools import with_tools_in_system
+from flagserve.entrypoints.openai.template_input import with_tools_in_system
 from flagserve.models.tokenizer import load_tokenizer
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")

@@ -4,15 +4,14 @@
 - `auto`: the tools reach the chat template (apply_chat_template(tools=...)), the model decides,
   and the model family's parser (tool_parsers.py) finds its calls in the output. A template
   that does not show `tools` (SmolLM2's, Llama 2's) would leave the model unaware of them: the
-  tools then go into the system message in the Hermes format, the default parser's.
+  tools then go into the system message in the Hermes format, the default parser's
+  (template_input.py).
 - `required` / a named function: the output is constrained (structured outputs) to a JSON list
   of calls / to the named function's arguments, so the arguments always parse and match the
   function's parameter schema, whatever the model or its template.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
@@ -97,52 +96,3 @@ def _json_constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
     except ValueError as err:
         raise ValueError(f"SamplingParams.tools hold a function whose parameters are not a JSON "
                          f"schema this server takes: {str(err).split(' ', 1)[1]}") from None
-
-
-def template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """An earlier turn as chat templates expect it: the arguments of an assistant's tool calls
-    as objects (OpenAI sends JSON text; templates write them with tojson, as vLLM passes them),
-    and content "" rather than null (templates concatenate it)."""
-    calls = message.get("tool_calls")
-    if not isinstance(calls, list):
-        return message
-    fixed = []
-    for call in calls:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-            with contextlib.suppress(ValueError):  # not JSON: the template gets the text as sent
-                fn = {**fn, "arguments": json.loads(fn["arguments"])}
-            call = {**call, "function": fn}
-        fixed.append(call)
-    return {**message, "content": message.get("content") or "", "tool_calls": fixed}
-
-
-TOOLS_PROMPT = """# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within \
-<tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
-
-
-def with_tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
-                         ) -> list[dict[str, Any]]:
-    """The tools described in the system message (Qwen2.5's Hermes wording), for templates
-    that do not show them: appended to the caller's system message, or one of its own."""
-    prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-    system = messages[0] if messages and messages[0].get("role") == "system" else None
-    content = system.get("content") if system is not None else None
-    if isinstance(content, str):
-        return [{**system, "content": f"{content}\n\n{prompt}"}, *messages[1:]]
-    if isinstance(content, list):  # text parts (a template that takes them)
-        return [{**system, "content": [*content, {"type": "text", "text": f"\n\n{prompt}"}]},
-                *messages[1:]]
-    return [{"role": "system", "content": prompt}, *messages]
