@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flagserve.bench.throughput import Workload, make_workload, prompt_vocab
+from flagserve.engine.cpu_threads import TUNING_ENV
 
 
 @dataclass
@@ -50,6 +51,8 @@ def parse_variant(spec: str) -> Variant:
             variant.threads = int(value)
         else:
             variant.engine_args[key] = parse_value(value)
+    if variant.threads:  # else the engine's thread tuner would choose per step (cpu_threads.py)
+        variant.env.setdefault(TUNING_ENV, "off")
     return variant
 
 

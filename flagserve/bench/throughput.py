@@ -72,11 +72,20 @@ def make_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int
 
 
 def run_flagserve(model: str, work: Workload, args: argparse.Namespace, **engine_args) -> tuple[float, dict]:
-    from flagserve import LLM, SamplingParams
-
     engine_args = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens,
                    "attention_backend": args.backend, **engine_args}
+    threads = torch.get_num_threads()  # the engine's thread tuner changes the process's count
+    try:
+        return _timed_generate(model, work, args, engine_args)
+    finally:
+        torch.set_num_threads(threads)  # a baseline after it (HF) gets the threads it had
+
+
+def _timed_generate(model: str, work: Workload, args: argparse.Namespace,
+                    engine_args: dict) -> tuple[float, dict]:
+    from flagserve import LLM, SamplingParams
+
     llm, start_up = timed_start(lambda: LLM(model, **engine_args))
     # Warm-up on the prompts reversed (the timed run must find none of them in the prefix
     # cache). On a GPU a whole batch of them. The first run on a fresh machine can still meet
@@ -256,6 +265,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--profile and --profile-prefill take a positive number of steps")
     if args.profile_prefill and args.latency:
         parser.error("--profile-prefill profiles the throughput run's batch; leave out --latency")
+    if args.hf_batch_size < 0 or args.num_seqs < 1:
+        parser.error("--hf-batch-size takes 0 (all at once) or a positive size, --num-seqs a "
+                     "positive count")
     for name in ("input_len", "output_len"):
         low, high = getattr(args, name)
         if not 1 <= low <= high:

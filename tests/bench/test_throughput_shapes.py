@@ -30,6 +30,8 @@ QUICK = ["--shape", "qwen3-0.6b", "--num-layers", "1", "--bandwidth-gbs", "10", 
     (["--latency", "--phases"], "leave out --latency"),
     (["--profile-prefill", "-1"], "positive"),
     (["--latency", "--profile-prefill", "2"], "leave out --latency"),
+    (["--hf-batch-size", "-1"], "--hf-batch-size"),  # an empty HF loop made a ratio of 0
+    (["--num-seqs", "0"], "--num-seqs"),
 ])
 def test_bad_arguments(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -75,6 +77,31 @@ def test_throughput_run_on_random_weights(tmp_path):
     assert result["compute_floor_seconds"] == pytest.approx(compute)
     assert result["floor_seconds"] == max(memory, compute) == compute  # so slow a "device"
     assert result["roofline_ratio"] == pytest.approx(compute / result["flagserve_seconds"])
+
+
+def test_the_hf_baseline_gets_the_threads_the_engine_run_found(monkeypatch):
+    """The engine's thread tuner sets the process's torch threads per step: a baseline run
+    after it in the same process must not inherit its last choice."""
+    import argparse
+
+    import torch
+
+    from flagserve.bench import throughput
+
+    def tuned(*_args):
+        torch.set_num_threads(1)  # what the tuner may leave
+        return 1.0, {}
+
+    monkeypatch.setattr(throughput, "_timed_generate", tuned)
+    before = torch.get_num_threads()
+    args = argparse.Namespace(dtype="float32", max_num_seqs=4, max_num_batched_tokens=None,
+                              backend="auto")
+    try:
+        torch.set_num_threads(2)
+        throughput.run_flagserve("m", None, args)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_matmul_flops_counts_each_fed_token_and_each_output(tmp_path):

@@ -136,3 +136,14 @@ def test_shared_prefix_with_several_prefixes_draws_one_per_request(tokenizer):
     assert order != [i % 4 for i in range(40)] and any(a == b for a, b in zip(order, order[1:]))
     one = shared_prefix_dataset(tokenizer, 5, prefix_len=64, input_len=8, output_len=4, seed=1)
     assert len({s.prefix for s in one}) == 1
+
+
+def test_an_ab_variant_with_threads_turns_the_thread_tuner_off():
+    """cpu_ab.py's threads=N: the engine's tuner would otherwise choose the threads per step."""
+    from flagserve.bench.ab import parse_variant
+    from flagserve.engine.cpu_threads import TUNING_ENV
+    one = parse_variant("one:threads=1,FOO=x,max_num_seqs=8")
+    assert (one.threads, one.env, one.engine_args) == (1, {"FOO": "x", TUNING_ENV: "off"},
+                                                       {"max_num_seqs": 8})
+    assert TUNING_ENV not in parse_variant("base:FOO=x").env
+    assert parse_variant(f"on:threads=2,{TUNING_ENV}=on").env[TUNING_ENV] == "on"  # as asked
