@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from tqdm import tqdm
 
-from flagserve.bench.datasets import SampleRequest, warmup_indices
+from flagserve.bench.datasets import SampleRequest, warmup_samples
 from flagserve.bench.metrics import RequestResult
 from flagserve.config.schema import BenchEndpoint
 
@@ -175,10 +175,10 @@ async def run_requests(target: Target, samples: list[SampleRequest], offsets: li
 
 
 def warm_up(target: Target, samples: list[SampleRequest], warmup: int = 1) -> int:
-    """Send short warm-up requests (not counted; datasets.warmup_indices: the first `warmup`
-    and one per schema); raises if the endpoint fails them. Returns the tokens they generated."""
-    warm = [replace(samples[i], output_len=min(samples[i].output_len or 8, 8))
-            for i in warmup_indices(samples, warmup)]
+    """Send short warm-up requests (not counted; datasets.warmup_samples: the first `warmup`
+    and one per schema, reversed); raises if the endpoint fails them. Returns the tokens they
+    generated."""
+    warm = warmup_samples(samples, warmup)
     if not warm:
         return 0
     results, _ = asyncio.run(run_requests(target, warm, [0.0] * len(warm), progress=False))

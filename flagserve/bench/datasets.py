@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, get_args
 
@@ -167,6 +167,15 @@ def jsonl_dataset(path: str | Path, num_prompts: int | None, output_len: int | N
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
+
+
+def warmup_samples(samples: list[SampleRequest], warmup: int) -> list[SampleRequest]:
+    """What a warm-up sends (warmup_indices' samples, up to 8 tokens out), each prompt
+    reversed: the timed run must not find its first prompts in the prefix cache (a shared
+    prefix stays as it is: caching it is what the timed requests after the first get too)."""
+    return [replace(samples[i], prompt=samples[i].prompt[::-1],
+                    output_len=min(samples[i].output_len or 8, 8))
+            for i in warmup_indices(samples, warmup)]
 
 
 def warmup_indices(samples: list[SampleRequest], warmup: int) -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from flagserve.bench.datasets import SampleRequest, warmup_indices
+from flagserve.bench.datasets import SampleRequest, warmup_samples
 from flagserve.bench.metrics import RequestResult
 from flagserve.config.schema import BenchEndpoint
 from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
@@ -39,15 +39,16 @@ def bench_engine(engine: Any, samples: list[SampleRequest], offsets: list[float]
     prompts = PromptTokenizer(engine.tokenizer)
     ids = [encode(prompts, s, endpoint) for s in samples]
 
-    def params(sample: SampleRequest, prompt_len: int, cap: int | None = None) -> SamplingParams:
+    def params(sample: SampleRequest, prompt_len: int) -> SamplingParams:
         max_tokens = sample.output_len or engine.max_model_len - prompt_len
         schema = None if sample.schema is None else StructuredOutputsParams(json=sample.schema)
-        return SamplingParams(temperature=0.0, max_tokens=min(max_tokens, cap or max_tokens),
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens,
                               ignore_eos=ignore_eos, output_kind=RequestOutputKind.DELTA,
                               structured_outputs=schema)
 
-    for i in warmup_indices(samples, warmup):  # warm-up, as the HTTP run
-        engine.add_request(f"warmup-{i}", ids[i], params(samples[i], len(ids[i]), cap=8))
+    for i, sample in enumerate(warmup_samples(samples, warmup)):  # as the HTTP run's
+        warm = encode(prompts, sample, endpoint)
+        engine.add_request(f"warmup-{i}", warm, params(sample, len(warm)))
     while engine.has_unfinished():
         engine.step()
     return _drive(engine, ids, lambda i: params(samples[i], len(ids[i])), offsets,

@@ -123,6 +123,15 @@ def test_warm_up_sends_every_schema_once_before_the_timed_requests(tokenizer):
     assert warmup_indices(plain, 2) == [0, 1]
 
 
+def test_the_warm_up_sends_no_timed_prompt():
+    """Its prompts reversed: the timed run's first requests must not find themselves in the
+    prefix cache (their TTFT and the hit rate would be the warm-up's); a shared prefix stays."""
+    from flagserve.bench.datasets import SampleRequest, warmup_samples
+    samples = [SampleRequest("first prompt", 3, 64, prefix="sys. "), SampleRequest("second", 2, None)]
+    assert warmup_samples(samples, 2) == [SampleRequest("tpmorp tsrif", 3, 8, prefix="sys. "),
+                                          SampleRequest("dnoces", 2, 8)]
+
+
 def test_shared_prefix_with_several_prefixes_draws_one_per_request(tokenizer):
     """--num-prefixes: each prompt starts with one of the prefixes, drawn (not in turn, which
     round-robin routing over 2 replicas would keep on one replica each by accident)."""
