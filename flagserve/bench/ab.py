@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flagserve.bench.args import positive_int
 from flagserve.bench.throughput import Workload, make_workload, prompt_vocab
 from flagserve.engine.cpu_threads import TUNING_ENV
 
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="an HF model directory or .gguf file")
     parser.add_argument("--variant", action="append", required=True, type=parse_variant,
                         help="name:KEY=V,key=v (repeat; the first is the baseline)")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=positive_int, default=3)
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--input-len", type=int, nargs=2, default=[32, 256])
     parser.add_argument("--output-len", type=int, nargs=2, default=[32, 128])

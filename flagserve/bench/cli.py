@@ -12,6 +12,7 @@ in-process baselines on a local model directory (--engine-model, default the tok
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -22,7 +23,9 @@ from typing import get_args
 from flagserve.bench import report, suite
 from flagserve.bench.client import Target
 from flagserve.cluster import http
-from flagserve.config.schema import BENCH_BASELINES, BenchDataset, BenchEndpoint
+from flagserve.config.bench import check_workload
+from flagserve.config.errors import ConfigError
+from flagserve.config.schema import BENCH_BASELINES, BenchConfig, BenchDataset, BenchEndpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for b in args.baselines:
         if b not in BENCH_BASELINES:
             p.error(f"unknown baseline {b!r}; use {', '.join(BENCH_BASELINES)}")
+    workload = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
+                if f.name in vars(args) and f.name != "baselines"}
+    try:  # the same rules as action=bench's experiment.bench
+        check_workload(BenchConfig(**workload))
+    except ConfigError as err:
+        p.error(f"--{err.key.rsplit('.', 1)[-1].replace('_', '-')} {err.message}")
     return args
 
 

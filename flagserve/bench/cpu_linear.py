@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 import torch
 
+from flagserve.bench.args import positive_int
 from flagserve.layers.cpu_quantized import packed_blocks
 from flagserve.models.config import load_model_config
 from kernels import cpu_native
@@ -71,8 +72,8 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="an HF directory or .gguf file (its shape)")
     parser.add_argument("--storage", choices=list(get_args(Storage)), default="q4_1")
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    parser.add_argument("--layers", type=int, default=None, help="default: the model's")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--layers", type=positive_int, default=None, help="default: the model's")
+    parser.add_argument("--reps", type=positive_int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)

@@ -5,7 +5,7 @@ cpu_linear.py: `q8_0` is SmolLM2's head, which the engine also packs as Q8_0 blo
 of few rows) and random input rows. Each row count times, alternating, best of --reps: the
 engine's float32 head plus argmax (what a greedy step without the greedy head runs) and the
 greedy head with each approximation asked for (layers/greedy_head.py; its logits, screen and
-recompute). With --cold (default) a buffer larger than the caches is streamed before each
+recompute). By default (cold; --hot: not) a buffer larger than the caches is streamed before each
 call, as a decode step's layers evict the head between steps. Random inputs leave more
 candidates than a model's hidden states do (near-ties among random logits), so the greedy
 head's figures are if anything pessimistic. Prints ms per call and the float32 head's time
@@ -22,6 +22,7 @@ from typing import get_args
 import numpy as np
 import torch
 
+from flagserve.bench.args import positive_int
 from flagserve.bench.cpu_linear import Storage, weight_values
 from flagserve.layers.cpu_matmul import pack_weight
 from flagserve.layers.greedy_head import Approximation, GreedyHead
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--approximations", nargs="+", choices=list(get_args(Approximation)),
                         default=["int8"])
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--reps", type=positive_int, default=6)
     parser.add_argument("--hot", action="store_true", help="no buffer streamed between calls")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 from flagserve.config.errors import ConfigError
-from flagserve.config.schema import Config, LLMModule
+from flagserve.config.schema import BenchConfig, Config, LLMModule
 
 KEY = "experiment.bench"
 
@@ -23,6 +23,18 @@ def prepare_bench(config: Config, base: Path) -> None:
 
 def validate_bench(config: Config) -> None:
     b = config.experiment.bench
+    check_workload(b)
+    if b.module is not None and not isinstance(config.serve.get(b.module), LLMModule):
+        llms = ", ".join(config.llms) or "(none)"
+        raise ConfigError(f"{KEY}.module", f"{b.module!r} is not an LLM module of serve",
+                          f"use one of: {llms}, or null for the first")
+    if b.compare_base_url is not None and not b.compare_base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{KEY}.compare_base_url", f"{b.compare_base_url!r} is not an http(s) URL",
+                          "e.g. http://127.0.0.1:8001")
+
+
+def check_workload(b: BenchConfig) -> None:
+    """The workload's own fields (benchmarks/serve.py's options too): a ConfigError naming one."""
     if b.dataset == "jsonl":
         if not b.dataset_path:
             raise ConfigError(f"{KEY}.dataset_path", "is not set (the jsonl dataset reads it)",
@@ -52,10 +64,3 @@ def validate_bench(config: Config) -> None:
         raise ConfigError(f"{KEY}.repeats", f"must be >= 1, got {b.repeats}", "e.g. 3")
     if b.warmup < 0:
         raise ConfigError(f"{KEY}.warmup", f"must be >= 0, got {b.warmup}", "e.g. 2")
-    if b.module is not None and not isinstance(config.serve.get(b.module), LLMModule):
-        llms = ", ".join(config.llms) or "(none)"
-        raise ConfigError(f"{KEY}.module", f"{b.module!r} is not an LLM module of serve",
-                          f"use one of: {llms}, or null for the first")
-    if b.compare_base_url is not None and not b.compare_base_url.startswith(("http://", "https://")):
-        raise ConfigError(f"{KEY}.compare_base_url", f"{b.compare_base_url!r} is not an http(s) URL",
-                          "e.g. http://127.0.0.1:8001")

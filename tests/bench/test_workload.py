@@ -156,3 +156,19 @@ def test_an_ab_variant_with_threads_turns_the_thread_tuner_off():
                                                        {"max_num_seqs": 8})
     assert TUNING_ENV not in parse_variant("base:FOO=x").env
     assert parse_variant(f"on:threads=2,{TUNING_ENV}=on").env[TUNING_ENV] == "on"  # as asked
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--request-rate", "0"], "--request-rate must be > 0"),
+    (["--range-ratio", "2"], "--range-ratio must be in [0, 1)"),
+    (["--dataset", "jsonl"], "--dataset-path is not set"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+])
+def test_serve_py_checks_its_workload_as_action_bench_does(argv, words, capsys):
+    """benchmarks/serve.py's options by experiment.bench's rules: an argparse error, not a
+    traceback mid-run (or a silent no-limit for a concurrency of 0)."""
+    from flagserve.bench.cli import parse_args
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--base-url", "http://127.0.0.1:1", *argv])
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
