@@ -23,12 +23,11 @@ from flagserve.engine.cpu_runtime import engine_thread_plan
 if "--omp-default" not in sys.argv:  # before torch is imported: OpenMP reads it once
     os.environ.update(engine_thread_plan().env(os.environ))
 
-from transformers import AutoTokenizer  # noqa: E402 - after the OpenMP settings
-
-from flagserve.bench.datasets import build_dataset
+from flagserve.bench.datasets import build_dataset  # noqa: E402 - after the OpenMP settings
 from flagserve.bench.inprocess import bench_engine
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.llm_engine import LLMEngine
+from flagserve.models.tokenizer import load_tokenizer
 
 CONCURRENCY, NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 32, 128, 64, 128
 
@@ -40,7 +39,7 @@ def main() -> None:
     p.add_argument("--omp-default", action="store_true",
                    help="keep OpenMP's default waits (spinning) instead of the served engine's")
     args = p.parse_args()
-    tok = AutoTokenizer.from_pretrained(args.model)
+    tok = load_tokenizer(args.model)  # an HF directory or a .gguf file
     engine = LLMEngine(EngineArgs(model=args.model, dtype="float32", max_num_seqs=CONCURRENCY))
     medians: dict[str, list[float]] = {"random": [], "json-schema": []}
     for rep in range(args.reps):

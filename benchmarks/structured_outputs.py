@@ -3,6 +3,7 @@ per-step overhead of masking, as engine step time with and without a JSON-schema
 
 .venv/bin/python benchmarks/structured_outputs.py
 """
+import argparse
 import json
 import time
 
@@ -76,6 +77,9 @@ def mask_cost(vocab: int, batch: int = 8) -> None:
 
 
 def main() -> None:
+    # No options; --help says what it does instead of running it.
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     llm = LLM(str(smollm2_gguf()))
     compile_times(llm)
     step_time(llm, False, 2, 8)  # warm-ups: the model, and the grammar process's start
