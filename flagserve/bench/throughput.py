@@ -1,4 +1,4 @@
-"""Offline throughput: FlagServe vs HF transformers `generate` on the same random workload.
+r"""Offline throughput: FlagServe vs HF transformers `generate` on the same random workload.
 
 The workload follows nano-vllm's bench: N requests with random prompt lengths and random
 max_tokens each, ignore_eos, on a random-weight model of a chosen size. HF runs as a user
@@ -8,10 +8,10 @@ the share of engine step time spent outside the model forward, and the roofline 
 run's floor (the larger of its bandwidth and compute floors, throughput_roofline.py) over its
 measured time.
 
-    python benchmarks/throughput.py                     # CPU defaults, about a minute
-    python benchmarks/throughput.py --shape qwen3-0.6b --num-seqs 256 --input-len 100 1024 \
+    .venv/bin/python benchmarks/throughput.py           # CPU defaults, about a minute
+    .venv/bin/python benchmarks/throughput.py --shape qwen3-0.6b --num-seqs 256 --input-len 100 1024 \
         --output-len 100 1024 --dtype bfloat16           # nano-vllm's workload, random weights
-    python benchmarks/throughput.py --shape llama3-8b --latency --input-len 128 128 \
+    .venv/bin/python benchmarks/throughput.py --shape llama3-8b --latency --input-len 128 128 \
         --output-len 256 256 --dtype bfloat16            # batch-1 ms per token
 """
 import argparse
@@ -208,15 +208,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "(no checkpoint; implies --skip-hf)")
     parser.add_argument("--num-layers", type=int,
                         help="with --shape: this many layers instead of the shape's own")
-    parser.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
-    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"],
+                        help="the random model (without --model / --shape): its architecture")
+    parser.add_argument("--hidden-size", type=int, default=256, help="the random model's sizes:")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--intermediate-size", type=int, default=768)
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    parser.add_argument("--num-seqs", type=int, default=256, help="requests of the workload")
+    parser.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
+                        help="each prompt's length, uniform in [MIN, MAX]")
+    parser.add_argument("--output-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
+                        help="each request's max_tokens (ignore_eos), uniform in [MIN, MAX]")
     parser.add_argument("--latency", action="store_true",
                         help="batch-1 decode instead: one prompt of --input-len MIN tokens, "
                              "--output-len MAX tokens, ms per token")
