@@ -63,7 +63,7 @@ class LocalDeployment(Deployment):
             clear(paths)
             self.save_config()
             proc, record, log = self._spawn(lock)
-        except BaseException:  # before_start failed, say: a failed run leaves nothing behind
+        except BaseException:  # (before_start failed, the port is taken): it leaves nothing behind
             if created:
                 shutil.rmtree(paths.root, ignore_errors=True)
             raise
