@@ -44,6 +44,8 @@ REFUSED = [  # request, extra fields, the param named, a word of the message
      "messages", "unknown"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
      "messages", "'image_url' are not supported"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools",
+     "two functions are named 'f'"),
     # numbers as JSON numbers: a string or a boolean is not taken for one
     (COMPLETION, {"temperature": "0.5"}, "temperature", "valid number"),
     (CHAT, {"top_p": True}, "top_p", "valid number"),

@@ -218,6 +218,15 @@ class ChatPrompt(Strict):
                              "variable; set the request's own field instead where there is one")
         return value
 
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [t.function.name for t in tools or ()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # a call names its function: two of one name could not be told apart
+            raise ValueError(f"two functions are named {twice[0]!r}")
+        return tools
+
     @property
     def tool_mode(self) -> ToolMode:
         """OpenAI's default: auto with tools, else none."""
