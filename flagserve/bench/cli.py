@@ -96,6 +96,14 @@ def engine_args(args: argparse.Namespace, model_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return bench(args)
+    except (OSError, RuntimeError) as err:  # the server down, or refusing the workload (warm-up)
+        print(f"serve.py: {args.base_url}: {err}", file=sys.stderr)
+        return 1
+
+
+def bench(args: argparse.Namespace) -> int:
     target = Target(args.base_url, args.model or "", args.api_key, args.endpoint, not args.no_ignore_eos)
     info = {} if args.model and args.tokenizer else served_model(target.root, args.api_key)
     target.model = args.model or info["id"]

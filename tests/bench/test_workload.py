@@ -172,3 +172,11 @@ def test_serve_py_checks_its_workload_as_action_bench_does(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--base-url", "http://127.0.0.1:1", *argv])
     assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_serve_py_against_no_server_says_so(capsys):
+    """The server down (or refusing the warm-up): one line naming the URL, exit 1."""
+    from flagserve.bench.cli import main
+    assert main(["--base-url", "http://127.0.0.1:1", "--num-prompts", "2", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("serve.py: http://127.0.0.1:1: ") and "Traceback" not in err
