@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import random
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -268,6 +269,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--profile and --profile-prefill take a positive number of steps")
     if args.profile_prefill and args.latency:
         parser.error("--profile-prefill profiles the throughput run's batch; leave out --latency")
+    random_model = args.model is None and args.shape is None
+    if random_model and (min(args.heads, args.kv_heads) < 1 or args.hidden_size % args.heads
+                         or args.heads % args.kv_heads):
+        parser.error("the random model needs --hidden-size a multiple of --heads, and --heads "
+                     "of --kv-heads")
     if args.hf_batch_size < 0 or args.num_seqs < 1:
         parser.error("--hf-batch-size takes 0 (all at once) or a positive size, --num-seqs a "
                      "positive count")
@@ -415,5 +421,14 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def cli() -> None:
+    """The command line: a model or engine setting the engine refuses (a path that does not
+    exist, heads that TP cannot split, a prompt past the context) is one line, exit 1."""
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as err:
+        sys.exit(f"throughput.py: {err}")
+
+
 if __name__ == "__main__":
-    main()
+    cli()

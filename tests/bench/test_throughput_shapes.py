@@ -32,6 +32,7 @@ QUICK = ["--shape", "qwen3-0.6b", "--num-layers", "1", "--bandwidth-gbs", "10", 
     (["--latency", "--profile-prefill", "2"], "leave out --latency"),
     (["--hf-batch-size", "-1"], "--hf-batch-size"),  # an empty HF loop made a ratio of 0
     (["--num-seqs", "0"], "--num-seqs"),
+    (["--heads", "3"], "a multiple of --heads"),
 ])
 def test_bad_arguments(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -310,3 +311,11 @@ def test_compile_recorder_chains_and_restores_the_hook():
         assert seen == ["_decode_kernel[...]", "skip"] and before[-1] == "after"
     finally:
         knobs.runtime.jit_cache_hook = None
+
+
+def test_the_command_line_names_a_model_that_is_not_there(monkeypatch, tmp_path):
+    from flagserve.bench.throughput import cli
+    monkeypatch.setattr("sys.argv", ["throughput.py", "--model", str(tmp_path / "none")])
+    with pytest.raises(SystemExit) as exit_:
+        cli()
+    assert str(exit_.value).startswith("throughput.py: no config.json in model directory")
