@@ -14,12 +14,15 @@ import argparse
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from flagserve.bench.args import positive_int
 from flagserve.bench.throughput import Workload, make_workload, prompt_vocab
 from flagserve.engine.cpu_threads import TUNING_ENV
+from flagserve.engine.engine_args import EngineArgs
+
+ENGINE_ARGS = {f.name for f in fields(EngineArgs)}
 
 
 @dataclass
@@ -45,7 +48,11 @@ def parse_variant(spec: str) -> Variant:
     name, _, rest = spec.partition(":")
     variant = Variant(name)
     for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{item!r} is not KEY=VALUE")
+        if not key.isupper() and key != "threads" and key not in ENGINE_ARGS:
+            raise argparse.ArgumentTypeError(f"{key!r} is neither threads nor an EngineArgs field")
         if key.isupper():
             variant.env[key] = value
         elif key == "threads":

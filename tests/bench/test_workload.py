@@ -180,3 +180,14 @@ def test_serve_py_against_no_server_says_so(capsys):
     assert main(["--base-url", "http://127.0.0.1:1", "--num-prompts", "2", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("serve.py: http://127.0.0.1:1: ") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("spec, words", [("a:max_num_seq=8", "neither threads nor an EngineArgs field"),
+                                         ("a:FOO", "is not KEY=VALUE")])
+def test_an_ab_variant_that_would_fail_later_is_refused_when_parsed(spec, words):
+    import argparse
+
+    from flagserve.bench.ab import parse_variant
+    with pytest.raises(argparse.ArgumentTypeError, match=words):
+        parse_variant(spec)
+
