@@ -234,35 +234,47 @@ def test_metrics_use_vllm_names(deployment):
     assert m["vllm:generation_tokens_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] > 0
 
 
-def _leave_running_request(deployment, body: dict) -> None:
-    """Send a whole-answer request, see it run, and close the connection before the answer."""
-    host, port = deployment.url.removeprefix("http://").split(":")
-    data = json.dumps(body).encode()
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(request_head("/v1/completions", API_KEY, f"Content-Length: {len(data)}") + data)
-        deadline = time.time() + 20
-        while metrics(deployment)["vllm:num_requests_running"] == 0:
-            assert time.time() < deadline, "the request never ran"
-            time.sleep(0.05)
+def _settled(deployment) -> dict[str, float]:
+    """The metrics once nothing runs and the token count stopped moving (30 s at most)."""
+    last, deadline = None, time.time() + 30
+    while time.time() < deadline:
+        m = metrics(deployment)
+        if last is not None and m["vllm:num_requests_running"] == 0 and \
+                m["vllm:generation_tokens_total"] == last["vllm:generation_tokens_total"]:
+            return m
+        last = m
+        time.sleep(1.0)  # two metrics pushes
+    pytest.fail(f"still generating after 30 s: {last}")
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_and_frees_kv(deployment, stream):
-    before = metrics(deployment).get("vllm:request_success_total{abort}", 0)
+    before = metrics(deployment)
     body = {"model": MODEL, "prompt": "Go on forever", "max_tokens": 400, "ignore_eos": True,
             "stream": stream}
-    if stream:
-        r = requests.post(f"{deployment.url}/v1/completions", stream=True, timeout=60, json=body,
-                          headers={"Authorization": f"Bearer {API_KEY}"})
-        lines = r.iter_lines()
-        assert next(lines).startswith(b"data: ")
-        r.close()  # the client goes away mid-stream
-    else:  # n samples: long enough to be seen running before it ends
-        _leave_running_request(deployment, {**body, "n": 8, "max_tokens": 500})
+    if not stream:
+        # A whole-answer request left at once: the server must not generate its 8 x 500 tokens
+        # for nobody (it cancels the handler on the disconnect, or never starts the request).
+        body.update(n=8, max_tokens=500)
+        host, port = deployment.url.removeprefix("http://").split(":")
+        data = json.dumps(body).encode()
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(request_head("/v1/completions", API_KEY, f"Content-Length: {len(data)}") + data)
+            time.sleep(0.1)
+        m = _settled(deployment)
+        generated = m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+        assert generated < 8 * 500 and m["vllm:kv_cache_usage_perc"] == 0, m
+        return
+    r = requests.post(f"{deployment.url}/v1/completions", stream=True, timeout=60, json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+    lines = r.iter_lines()
+    assert next(lines).startswith(b"data: ")
+    r.close()  # the client goes away mid-stream
     deadline = time.time() + 20
     while time.time() < deadline:
         m = metrics(deployment)
-        if (m.get("vllm:request_success_total{abort}", 0) > before
+        if (m.get("vllm:request_success_total{abort}", 0) >
+                before.get("vllm:request_success_total{abort}", 0)
                 and m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0):
             break
         time.sleep(0.5)
