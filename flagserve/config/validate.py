@@ -33,6 +33,7 @@ from flagserve.models.architectures import GGUF_ARCHITECTURES, HF_ARCHITECTURES
 from flagserve.models.config import ModelConfig, load_model_config, model_format
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+HOST_FIX = "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"  # deploy.host's values
 
 
 def validate_experiment(config: Config) -> None:
@@ -47,8 +48,7 @@ def validate_experiment(config: Config) -> None:
         raise ConfigError("experiment.runner.deploy.port", f"{deploy.port} is not a TCP port",
                           "use a port in 1..65535, e.g. 8000")
     if not deploy.host:
-        raise ConfigError("experiment.runner.deploy.host", "must not be empty",
-                          "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+        raise ConfigError("experiment.runner.deploy.host", "must not be empty", HOST_FIX)
     if deploy.startup_timeout_s <= 0:
         raise ConfigError("experiment.runner.deploy.startup_timeout_s", "must be > 0", "e.g. 600")
     if deploy.drain_timeout_s < 0:

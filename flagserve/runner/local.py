@@ -22,6 +22,7 @@ from flagserve.cluster.sessions import is_alive
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
+from flagserve.config.validate import HOST_FIX
 from flagserve.runner.console import Progress, print_ready, same_command, tail
 from flagserve.runner.deployment import Deployment
 from flagserve.runner.environment import hook_env, run_hook, server_env
@@ -215,16 +216,15 @@ def _check_port_free(config: Config) -> None:
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as err:
         raise ConfigError("experiment.runner.deploy.host", f"{host!r} does not resolve ({err.strerror})",
-                          "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+                          HOST_FIX) from None
     with socket.socket(family, kind) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(address)
         except OSError as err:
             if err.errno == errno.EADDRNOTAVAIL:
-                raise ConfigError("experiment.runner.deploy.host", f"{host} is not an address of "
-                                  "this machine", "127.0.0.1 (this machine only) or 0.0.0.0 "
-                                  "(every interface)") from None
+                raise ConfigError("experiment.runner.deploy.host",
+                                  f"{host} is not an address of this machine", HOST_FIX) from None
             raise ConfigError("experiment.runner.deploy.port",
                               f"{host}:{port} is not available ({err.strerror})",
                               "pick a free port, e.g. experiment.runner.deploy.port=8001") from None

@@ -27,6 +27,7 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
         fixed.append(call)
     return {**message, "content": message.get("content") or "", "tool_calls": fixed}
 
+
 TOOLS_PROMPT = """# Tools
 
 You may call one or more functions to assist with the user query.
