@@ -1,8 +1,8 @@
 """Messages as chat templates take them: earlier turns' tool calls with their arguments as
-objects, and the tools described in the system message for templates that do not show
-`tools` (SmolLM2's, Llama 2's), so that tool_choice `auto` still lets the model know them.
-No pydantic here: the offline LLM imports this, on images without the server's packages
-too (the lent GPU machine's)."""
+objects, text parts as one string for templates that take strings, and the tools described
+in the system message for templates that do not show `tools` (SmolLM2's, Llama 2's), so that
+tool_choice `auto` still lets the model know them. No pydantic here: the offline LLM imports
+this, on images without the server's packages too (the lent GPU machine's)."""
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +26,15 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
             call = {**call, "function": fn}
         fixed.append(call)
     return {**message, "content": message.get("content") or "", "tool_calls": fixed}
+
+
+def joined_text(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose content is text parts, with the parts' text as one string (vLLM's
+    "string" content format: joined by newlines)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in content)}
 
 
 TOOLS_PROMPT = """# Tools

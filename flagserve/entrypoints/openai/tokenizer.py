@@ -19,7 +19,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from flagserve.entrypoints.openai.template_input import with_tools_in_system
+from flagserve.entrypoints.openai.template_input import joined_text, with_tools_in_system
 from flagserve.models.tokenizer import load_tokenizer
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -68,7 +68,8 @@ class PromptTokenizer:
         `add_special_tokens` (vLLM's /tokenize field) adds the tokenizer's own on top."""
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        if not self.template_takes_parts():
+        parts = any(isinstance(m.get("content"), list) for m in messages)
+        if parts and not self.template_takes_parts():
             messages = [joined_text(m) for m in messages]
         tools = (template_kwargs or {}).get("tools")
         if tools and describe_tools and not self.template_shows_tools():
@@ -188,12 +189,3 @@ def max_chars_per_token(tokenizer: Any) -> int:
     longest = max(map(len, tokenizer.get_vocab()), default=1)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return longest * (4 if getattr(backend, "normalizer", None) is not None else 1)
-
-
-def joined_text(message: dict[str, Any]) -> dict[str, Any]:
-    """A message whose content is text parts, with the parts' text as one string (vLLM's
-    "string" content format: joined by newlines)."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    return {**message, "content": "\n".join(part["text"] for part in content)}
