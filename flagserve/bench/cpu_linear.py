@@ -4,8 +4,8 @@ Every layer's linears (q|k|v, o, gate|up with its SiLU, down) of the model's sha
 layer its own random weights (so the step streams them from memory as a model's does), with
 values of the chosen storage: `q4_1` / `q8_0` (gguf's quantizer, then packed as those blocks:
 layers/cpu_quantized.py) or `bf16` / `f16` (such values, packed so). Each row count runs
-the layers against the float32 packing of the same weights, alternating, best of --reps, and
-prints ms per pass over all the layers and the ratio.
+the layers against the float32 packing of the same weights, alternating, best of --reps after
+a warm-up pass, and prints ms per pass over all the layers and the ratio.
 
     python benchmarks/cpu_linear.py --model SmolLM2-135M-Instruct.Q4_1.gguf --storage q4_1
 """
@@ -71,7 +71,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="an HF directory or .gguf file (its shape)")
     parser.add_argument("--storage", choices=list(get_args(Storage)), default="q4_1")
-    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--rows", type=positive_int, nargs="+", default=list(ROWS))
     parser.add_argument("--layers", type=positive_int, default=None, help="default: the model's")
     parser.add_argument("--reps", type=positive_int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -87,6 +87,8 @@ def main() -> None:
     for rows in args.rows:
         xs = {k: torch.randn(rows, k) for _, k in shapes}
         best = [float("inf"), float("inf")]
+        for which in (0, 1):  # warm-up, off the clock: the first pass pages the rows in
+            one_pass(layers, xs, which)
         for _ in range(args.reps):
             for which in (0, 1):  # alternated: the machine's speed drifts
                 best[which] = min(best[which], one_pass(layers, xs, which))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from flagserve.bench.args import positive_int, vllm_python
 from flagserve.bench.throughput import make_workload, prompt_vocab
 from flagserve.bench.throughput_roofline import (
     compute_floor_seconds,
@@ -125,12 +126,13 @@ def alternate(workers: list[Worker], args: argparse.Namespace, model: str) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True, help="the interpreter of vLLM's venv")
+    parser.add_argument("--vllm-python", required=True, type=vllm_python,
+                        help="the interpreter of vLLM's venv")
     parser.add_argument("--model", help="HF directory or .gguf (default: SmolLM2's GGUF)")
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--num-seqs", type=int, default=64)
-    parser.add_argument("--input-len", type=int, nargs=2, default=[32, 256])
-    parser.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
+    parser.add_argument("--reps", type=positive_int, default=2)
+    parser.add_argument("--num-seqs", type=positive_int, default=64)
+    parser.add_argument("--input-len", type=positive_int, nargs=2, default=[32, 256])
+    parser.add_argument("--output-len", type=positive_int, nargs=2, default=[32, 256])
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

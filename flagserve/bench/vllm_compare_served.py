@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 
+from flagserve.bench.args import positive_int, positive_rate, vllm_python
 from flagserve.bench.client import Target
 from flagserve.bench.metrics import BenchmarkMetrics
 from flagserve.bench.suite import Settings, http_run, workload
@@ -204,12 +205,12 @@ def table(results: dict[str, dict[str, BenchmarkMetrics]],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", help="the interpreter of vLLM's venv")
-    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, math.inf],
+    parser.add_argument("--vllm-python", type=vllm_python, help="the interpreter of vLLM's venv")
+    parser.add_argument("--rates", type=positive_rate, nargs="+", default=[4.0, math.inf],
                         help="req/s of each run (inf: all at once); repeat one to run it again")
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-prompts", type=positive_int, default=100)
+    parser.add_argument("--input-len", type=positive_int, default=128)
+    parser.add_argument("--output-len", type=positive_int, default=64)
     parser.add_argument("--port", type=int, default=8123, help="FlagServe's; vLLM's is the next")
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
