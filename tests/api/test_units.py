@@ -256,3 +256,34 @@ def test_a_client_that_leaves_cancels_the_handler():
         assert (await unless_client_leaves(receive, quick())).body == b"ok"
 
     asyncio.run(main())
+
+
+def test_a_long_json_answer_lets_the_event_loop_in():
+    """/tokenize of a huge text: the answer's encoding yields to other streams between slices,
+    and the body is what JSONResponse would have sent."""
+    from starlette.responses import JSONResponse
+
+    from flagserve.entrypoints.openai.responses import JSON_SLICE, yielding_json
+
+    payload = {"count": 3, "tokens": list(range(3 * JSON_SLICE + 5)),
+               "token_strs": ["é\"x"] * (JSON_SLICE + 1), "none": None}
+    turns = 0
+
+    async def other_stream():
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    async def main():
+        task = asyncio.create_task(other_stream())
+        await asyncio.sleep(0)
+        before = turns
+        response = await yielding_json(payload)
+        task.cancel()
+        return response, turns - before
+
+    response, others = asyncio.run(main())
+    assert response.body == JSONResponse(payload).body
+    assert response.media_type == "application/json"
+    assert others >= 4 + 1  # one turn per slice of both long lists

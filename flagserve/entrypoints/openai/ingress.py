@@ -62,6 +62,7 @@ from flagserve.entrypoints.openai.responses import (
     Header,
     prompt_only,
     sse_response,
+    yielding_json,
 )
 from flagserve.entrypoints.openai.streams import batches, cancel_on_close, prepend
 from flagserve.entrypoints.openai.template_input import template_message
@@ -348,7 +349,7 @@ class OpenAIIngress:
     # so that a client (lm-eval's remote tokenizer) needs no copy of it. No user modules run:
     # the answer is the tokenizer's view of the input as given.
 
-    async def tokenize(self, request: Request) -> JSONResponse:
+    async def tokenize(self, request: Request) -> Response:
         body = await self._body(request)
         req = parse_request(tokenize_request(body), body)
         route = self._route(req.model)
@@ -361,8 +362,8 @@ class OpenAIIngress:
                                        req.add_special_tokens)
         strs = (await call_tokenizer(self.tokenizers, route, "token_strs", ids)
                 if req.return_token_strs else None)
-        return JSONResponse({"count": len(ids), "max_model_len": info.max_model_len,
-                             "tokens": ids, "token_strs": strs})
+        return await yielding_json({"count": len(ids), "max_model_len": info.max_model_len,
+                                    "tokens": ids, "token_strs": strs})
 
     async def detokenize(self, request: Request) -> JSONResponse:
         body = await self._body(request)

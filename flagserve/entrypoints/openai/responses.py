@@ -6,6 +6,7 @@ choice in a batch are merged into one delta, and every choice with something to 
 into the same event (`choices` is a list in OpenAI's format)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from flagserve.engine.core.loop import EngineDeadError
 from flagserve.engine.outputs import (
@@ -345,3 +346,29 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
             yield sse(body)
         yield sse("[DONE]")
     return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def yielding_json(payload: dict[str, Any]) -> Response:
+    """`payload` as JSONResponse renders it, its long lists encoded a slice at a time with the
+    event loop let in between: /tokenize of a 16 MiB text returns ~3 million ids, ~0.7 s of
+    json.dumps (a thread would not help: the C encoder holds the GIL throughout), which would
+    stall every stream this replica serves."""
+    parts = []
+    for key, value in payload.items():
+        if isinstance(value, list) and len(value) > JSON_SLICE:
+            slices = []
+            for start in range(0, len(value), JSON_SLICE):
+                slices.append(_dumps(value[start:start + JSON_SLICE])[1:-1])
+                await asyncio.sleep(0)
+            encoded = "[" + ",".join(slices) + "]"
+        else:
+            encoded = _dumps(value)
+        parts.append(f"{_dumps(key)}:{encoded}")
+    return Response("{" + ",".join(parts) + "}", media_type="application/json")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+JSON_SLICE = 65536  # ids a slice: ~8 ms of encoding between the loop's turns
