@@ -78,6 +78,12 @@ class ExpPaths:
     def ray_token(self) -> Path:
         return self.run / "ray_auth_token"
 
+    @property
+    def stopping(self) -> Path:
+        """Present while `stop` runs: a `run` still waiting for its server then knows why it
+        ended (and leaves the logs `stop` keeps)."""
+        return self.run / "stopping"
+
     def log(self, name: str) -> Path:
         return self.logs / f"{name}.log"
 

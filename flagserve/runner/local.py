@@ -112,6 +112,10 @@ class LocalDeployment(Deployment):
             why = (f"did not become healthy within {timeout:g} s "
                    f"(experiment.runner.deploy.startup_timeout_s)" if proc.poll() is None
                    else f"exited with {proc.returncode} before it became healthy")
+            if proc.poll() is not None and self._stopped_meanwhile():
+                print(f"{self.config.experiment.exp_name} was stopped (action=stop) before it "
+                      "became healthy", file=sys.stderr)
+                return 1
             print(f"{self.config.experiment.exp_name} {why} at {url}/health", file=sys.stderr)
             print(tail(log, LOG_LINES), file=sys.stderr)
             terminate(record, grace_s=10.0)
@@ -137,6 +141,10 @@ class LocalDeployment(Deployment):
         self._forget(keep_logs=True)
         return code
 
+    def _stopped_meanwhile(self) -> bool:
+        """A `stop` ended this run's server: it is stopping it, or has forgotten the run."""
+        return self.paths.stopping.exists() or not self.paths.has_records()
+
     def _forget(self, keep_logs: bool) -> None:
         """The run's records and its Ray temp dir (logs copied to exp_dir/logs/ray first)."""
         temp = Path(ray_temp_dir(self.config.experiment.exp_dir, LOCAL_HOST))
@@ -150,13 +158,16 @@ class LocalDeployment(Deployment):
             print(f"{config.experiment.exp_name}: nothing to stop (no records in {paths.run})"
                   f"{running_elsewhere(config)}")
             return 0
-        survivors = []
-        for record in records:
-            survivors += terminate(record, grace_s=server_grace_s(config.deploy.drain_timeout_s))
-        if survivors:
-            print(f"could not stop: {', '.join(survivors)}", file=sys.stderr)
-            return 1
-        self._forget(keep_logs=True)
+        paths.stopping.touch()
+        try:
+            survivors = [name for record in records for name in
+                         terminate(record, grace_s=server_grace_s(config.deploy.drain_timeout_s))]
+            if survivors:
+                print(f"could not stop: {', '.join(survivors)}", file=sys.stderr)
+                return 1
+            self._forget(keep_logs=True)
+        finally:
+            paths.stopping.unlink(missing_ok=True)
         run_hook(config.experiment.cmds.after_stop, hook_env(config), "experiment.cmds.after_stop")
         pids = ", ".join(str(r.pid) for r in records)
         print(f"{config.experiment.exp_name}: stopped (session of pid {pids}; no process left)")

@@ -214,3 +214,50 @@ def test_a_bad_deploy_host_is_named_not_taken_for_a_port_in_use(host, words):
     with pytest.raises(ConfigError) as err:
         _check_port_free(SimpleNamespace(deploy=SimpleNamespace(host=host, port=41997)))
     assert err.value.key == "experiment.runner.deploy.host" and words in str(err.value)
+
+
+@pytest.mark.usefixtures("run_dir")
+def test_a_stop_while_run_waits_is_reported_as_such_and_keeps_the_logs(tmp_path, monkeypatch,
+                                                                      capsys):
+    """`run` waiting for /health and a `stop` in another shell: run says it was stopped, and
+    does not delete the exp_dir (the logs `stop` keeps) as it does after a failed start."""
+    import socket
+    import threading
+    import time
+
+    from flagserve.runner import local
+    from flagserve.runner.launcher import spawn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config, _ = parse_config({"experiment": {"exp_name": "race", "exp_dir": str(tmp_path / "exp"),
+                                             "runner": {"deploy": {"port": port}}}})
+
+    def fake_spawn(self, _lock):  # a server that never answers /health
+        log = self.paths.log("server")
+        proc, record = spawn("server", [sys.executable, "-c", "import time; time.sleep(60)"],
+                             dict(os.environ), log)
+        self.progress = console.Progress(log)
+        local.save_processes(self.paths, [record])
+        return proc, record, log
+
+    monkeypatch.setattr(local.LocalDeployment, "_spawn", fake_spawn)
+    stopped = []
+
+    def stop_when_recorded():
+        paths = ExpPaths(tmp_path / "exp")
+        while not paths.has_records():
+            time.sleep(0.05)
+        stopped.append(local.LocalDeployment(config, []).stop())
+
+    stopper = threading.Thread(target=stop_when_recorded)
+    stopper.start()
+    try:
+        assert local.LocalDeployment(config, []).run(hints=False) == 1
+    finally:
+        stopper.join(timeout=60)
+    assert stopped == [0]
+    assert "was stopped (action=stop) before it became healthy" in capsys.readouterr().err
+    assert (tmp_path / "exp" / "logs" / "server.log").exists()
+    assert not ExpPaths(tmp_path / "exp").stopping.exists()
