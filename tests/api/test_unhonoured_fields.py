@@ -50,6 +50,10 @@ REFUSED = [  # request, extra fields, the param named, a word of the message
     (COMPLETION, {"temperature": "0.5"}, "temperature", "valid number"),
     (CHAT, {"top_p": True}, "top_p", "valid number"),
     (CHAT, {"logit_bias": {"5": "1"}}, "logit_bias", "valid number"),
+    (COMPLETION, {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options",
+     "valid boolean"),
+    (CHAT, {"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options",
+     "valid boolean"),
 ]
 
 

@@ -37,8 +37,8 @@ from flagserve.entrypoints.openai.unhonoured import ChatRefused, OutputNeutral, 
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every event
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, usage in every event
 
     @property
     def usage(self) -> StreamUsage:
