@@ -94,7 +94,7 @@ def test_config_comes_from_the_metadata(arch, gguf_model):
     ours, hf = load_model_config(path), load_model_config(hf_dir)
     same = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
-            "attention_bias", "mlp_bias", "qk_norm", "bos_token_id")
+            "attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "bos_token_id")
     assert {f: getattr(ours, f) for f in same} == {f: getattr(hf, f) for f in same}
     assert ours.rms_norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)  # stored as float32
     assert ours.architecture == ("LlamaForCausalLM" if arch == "mistral" else hf.architecture)

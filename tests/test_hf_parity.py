@@ -53,6 +53,26 @@ def test_greedy_matches_transformers(arch, tiny_model_factory):
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == len(PROMPTS)
 
 
+BIASES = [("llama", {"attention_bias": True}), ("qwen3", {"attention_bias": True}),
+          ("llama", {"mlp_bias": True})]
+
+
+@pytest.mark.parametrize("arch,overrides", BIASES, ids=[f"{a}-{next(iter(o))}" for a, o in BIASES])
+def test_optional_biases_match_transformers(arch, overrides, tiny_model_factory):
+    """Llama's and Qwen3's attention_bias put biases on q/k/v and o_proj (transformers'
+    layout), Llama's mlp_bias on the MLP: each loads, on the default CPU path, and matches."""
+    path = tiny_model_factory(arch, **overrides)
+    out = LLM(path, dtype="float32").generate(
+        PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == hf_greedy(path, PROMPTS[:2], 12)
+
+
+def test_an_activation_other_than_silu_is_refused(tiny_model_factory):
+    path = tiny_model_factory("llama", hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act 'gelu'.*not supported"):
+        LLM(path, dtype="float32")
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 def test_last_layer_tail_runs_on_sampled_rows_only(backend, tiny_model_factory):
     """A prefill row that samples nothing only needs its K/V from the last layer: its o_proj

@@ -26,13 +26,14 @@ class ModelConfig:
     max_position_embeddings: int
     rope: RopeConfig
     tie_word_embeddings: bool
-    attention_bias: bool  # bias on q/k/v projections (Qwen2; optional for Llama)
+    attention_bias: bool  # bias on q/k/v projections (Qwen2; optional for Llama and Qwen3)
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     checkpoint_format: ModelFormat = "hf"
+    o_proj_bias: bool = False  # Llama's and Qwen3's attention_bias puts one on o_proj too
 
 
 def model_format(path: str | Path) -> ModelFormat:
@@ -95,6 +96,11 @@ def _eos_ids(model_dir: Path, cfg: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
+# Architectures whose config's attention_bias adds biases to q/k/v and o_proj (transformers'
+# Llama and Qwen3; Qwen2 always has q/k/v biases and none on o_proj, Mistral none at all).
+OPTIONAL_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
 def load_model_config(model: str | Path) -> ModelConfig:
     """`model`: a local HF model directory or a .gguf file."""
     if model_format(model) == "gguf":
@@ -113,6 +119,11 @@ def load_model_config(model: str | Path) -> ModelConfig:
     if arch is None:
         raise ValueError(f"model architecture {archs or cfg.get('model_type')!r} is not supported; "
                          f"supported architectures: {', '.join(HF_ARCHITECTURES)}")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} in {str(path)!r} is not supported: the MLP's "
+                         "kernels are SiLU-gated (silu / swish)")
+    bias = bool(cfg.get("attention_bias", False))
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     sliding = cfg.get("sliding_window")
@@ -134,8 +145,10 @@ def load_model_config(model: str | Path) -> ModelConfig:
         max_position_embeddings=max_pos,
         rope=_rope_config(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        # Which projections have biases is the architecture's choice, as transformers builds it.
+        attention_bias=arch == "Qwen2ForCausalLM" or (arch in OPTIONAL_ATTENTION_BIAS and bias),
+        o_proj_bias=arch in OPTIONAL_ATTENTION_BIAS and bias,
+        mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         eos_token_ids=_eos_ids(model_dir, cfg),

@@ -35,7 +35,7 @@ class DecoderAttention(nn.Module):
                                           par.tp_rank, par.tp_size)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = d
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, False,
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, cfg.o_proj_bias,
                                         par.tp_rank, par.tp_size, par.tp_group)
         self.rotary = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope, ops)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ops)

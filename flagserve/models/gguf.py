@@ -112,6 +112,7 @@ def gguf_config_fields(path: str | Path) -> dict[str, Any]:
         tie_word_embeddings="output.weight" not in f.tensors,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
         mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+        o_proj_bias="blk.0.attn_output.bias" in f.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
         torch_dtype="float32",  # what dequantization gives, whatever the file stores
         eos_token_ids=_end_of_generation_ids(f),
