@@ -156,7 +156,7 @@ def _check_llm(module_id: str, module: LLMModule) -> None:
     max_len = module.engine_args.get("max_model_len")
     if isinstance(max_len, int) and max_len > model_cfg.max_position_embeddings:
         raise ConfigError(f"{path}.engine_args.max_model_len",
-                          f"{max_len} exceeds the model's {model_cfg.max_position_embeddings} positions",
+                          f"{max_len} exceeds the model's {model_cfg.positions_text}",
                           f"set {path}.engine_args.max_model_len <= {model_cfg.max_position_embeddings}")
     for name in PARALLEL_ARGS:
         value = module.engine_args.get(name, 1)
@@ -193,9 +193,10 @@ def _model_config(key: str, model: Path) -> ModelConfig:
                           "point it at a Hugging Face model directory or a .gguf file")
     try:
         return load_model_config(model)
-    except (ValueError, KeyError) as err:
+    except ValueError as err:
         raise ConfigError(key, f"cannot serve {str(model)!r}: {err}",
-                          f"serve a checkpoint of one of: {', '.join(HF_ARCHITECTURES)}") from None
+                          "serve a complete checkpoint (config.json as transformers writes it) "
+                          f"of one of: {', '.join(HF_ARCHITECTURES)}") from None
 
 
 def _check_user_module(module_id: str, module: UserModule) -> None:

@@ -81,7 +81,7 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"EngineArgs.max_model_len={self.max_model_len} exceeds the model's "
-                             f"{cfg.max_position_embeddings} positions; lower it")
+                             f"{cfg.positions_text}; lower it")
         device_type = resolve_device(args.device).type
         batched = batched_tokens(args, self.max_model_len, device_type == "cuda")
         if not args.enable_chunked_prefill and batched < self.max_model_len:

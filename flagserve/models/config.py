@@ -34,6 +34,14 @@ class ModelConfig:
     bos_token_id: int | None
     checkpoint_format: ModelFormat = "hf"
     o_proj_bias: bool = False  # Llama's and Qwen3's attention_bias puts one on o_proj too
+    window_capped: bool = False  # max_position_embeddings is the sliding window (Mistral)
+
+    @property
+    def positions_text(self) -> str:
+        """The context limit in words, for errors about max_model_len."""
+        why = (" (its sliding window: attention over whole contexts is exact only within it)"
+               if self.window_capped else "")
+        return f"{self.max_position_embeddings} positions{why}"
 
 
 def model_format(path: str | Path) -> ModelFormat:
@@ -96,6 +104,8 @@ def _eos_ids(model_dir: Path, cfg: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads")
 # Architectures whose config's attention_bias adds biases to q/k/v and o_proj (transformers'
 # Llama and Qwen3; Qwen2 always has q/k/v biases and none on o_proj, Mistral none at all).
 OPTIONAL_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
@@ -123,14 +133,18 @@ def load_model_config(model: str | Path) -> ModelConfig:
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act {act!r} in {str(path)!r} is not supported: the MLP's "
                          "kernels are SiLU-gated (silu / swish)")
+    missing = [k for k in REQUIRED_FIELDS if not isinstance(cfg.get(k), int) or cfg[k] < 1]
+    if missing:
+        raise ValueError(f"{str(path)!r} lacks {missing[0]!r} (a positive integer), which "
+                         "transformers' config of this architecture always has")
     bias = bool(cfg.get("attention_bias", False))
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     sliding = cfg.get("sliding_window")
     use_sliding = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
     max_pos = cfg.get("max_position_embeddings", 2048)
-    if sliding and use_sliding and sliding < max_pos:
-        # Without sliding-window attention we stay exact by never exceeding the window.
+    capped = bool(sliding and use_sliding and sliding < max_pos)
+    if capped:  # without sliding-window attention we stay exact by never exceeding the window
         max_pos = sliding
     return ModelConfig(
         architecture=arch,
@@ -143,6 +157,7 @@ def load_model_config(model: str | Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         max_position_embeddings=max_pos,
+        window_capped=capped,
         rope=_rope_config(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Which projections have biases is the architecture's choice, as transformers builds it.

@@ -18,6 +18,7 @@ from flagserve.layers.norm import RMSNorm
 from flagserve.layers.rotary import RotaryEmbedding
 from flagserve.models import native_layers
 from flagserve.models.config import ModelConfig
+from flagserve.models.weight_shapes import expected_shape
 from kernels import KernelOps
 
 
@@ -194,6 +195,11 @@ class DecoderForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
+            want = expected_shape(hf_name, self.config)
+            if want is not None and tuple(tensor.shape) != want:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has shape {list(tensor.shape)}, "
+                                 f"but the model's config implies {list(want)}: the weights and "
+                                 "the config are from different models")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if name == "embed_tokens.weight" and self.embed_tokens is None:

@@ -22,6 +22,7 @@ from flagserve.config.topology import engine_args_for
 from flagserve.engine.kv_budget import capacity_blocks, kv_budget_bytes
 from flagserve.models.config import DTYPE_BYTES, ModelConfig, auto_dtype, load_model_config
 from flagserve.models.gguf import gguf_cpu_block_bytes, gguf_param_count
+from flagserve.models.weight_shapes import expected_shape
 
 ASSUMED_GPU_GIB = 80.0
 
@@ -48,10 +49,16 @@ def count_params(model: Path, cfg: ModelConfig) -> int:
             with open(file, "rb") as f:
                 (size,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(size))
-            total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+            shapes = {k: tuple(t["shape"]) for k, t in header.items() if k != "__metadata__"}
         except (struct.error, ValueError, TypeError, KeyError, AttributeError) as err:
             raise ValueError(f"{file}: not a whole safetensors file ({type(err).__name__}: "
                              f"{str(err)[:120]})") from None
+        for name, shape in shapes.items():
+            want = expected_shape(name, cfg)
+            if want is not None and shape != want:  # what loading would refuse (decoder.py)
+                raise ValueError(f"{file}: tensor {name!r} has shape {list(shape)}, but "
+                                 f"config.json implies {list(want)}")
+        total += sum(math.prod(shape) for shape in shapes.values())
     if total:
         return total
     # No weights on disk (a plan made before downloading): estimate from the shapes.
@@ -87,7 +94,8 @@ def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
         params = count_params(Path(args.model), cfg)
     except ValueError as err:
         raise ConfigError(f"serve.{module_id}.engine_args.model", str(err),
-                          "point it at a complete checkpoint (a download cut short?)") from None
+                          "point it at a complete checkpoint whose config.json matches its "
+                          "weights (a download cut short, or files of two models?)") from None
     weights = params * elem // (tp * pp)
     if not gpu and cfg.checkpoint_format == "gguf" and dtype == "float32":
         weights += gguf_cpu_block_bytes(args.model) // (tp * pp)

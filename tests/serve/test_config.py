@@ -340,3 +340,16 @@ def test_a_truncated_checkpoint_is_a_config_error_in_plan(capsys, tmp_path, llam
     code, _, err = run(capsys, f"serve.llm.engine_args.model={model}")
     assert code == EXIT_CONFIG and "Traceback" not in err, err
     assert "`serve.llm.engine_args.model`" in err and "not a whole safetensors file" in err
+
+
+def test_weights_that_disagree_with_config_json_are_a_config_error_in_plan(capsys, tmp_path,
+                                                                            llama_path):
+    import json
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(llama_path, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    code, _, err = run(capsys, f"serve.llm.engine_args.model={model}")
+    assert code == EXIT_CONFIG and "Traceback" not in err, err
+    assert "`serve.llm.engine_args.model`" in err and "but config.json implies [" in err
