@@ -28,9 +28,9 @@ from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 class AsyncEngine:
     def __init__(self, core: EngineCore,
-                 on_step: Callable[[list[RequestOutput], float], None] | None = None):
+                 on_step: Callable[[StepResult], None] | None = None):
         self.core = core
-        self.on_step = on_step  # called with each step's outputs (metrics), off the event loop
+        self.on_step = on_step  # called with each step's result (metrics), off the event loop
         self.stats = core.stats  # refreshed with every StepResult; read by metrics
         self.error: EngineDeadError | None = None
         self._streams: dict[str, asyncio.Queue] = {}
@@ -105,7 +105,7 @@ class AsyncEngine:
         else:
             self.stats = result.stats
             if self.on_step is not None:
-                self.on_step(result.outputs, result.time)
+                self.on_step(result)
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening

@@ -203,22 +203,25 @@ class LLMEngine:
         self.kv_imports.admit()
         return touched
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """Withdraw a request; True when it was one of this engine's unfinished requests (an
+        unknown or finished id is a no-op, as is KV already handed off to a decode engine)."""
         if self.kv_exports is not None and self.kv_exports.abort(request_id):
-            return  # handed off: its blocks are freed now or once the transport has read them
+            return False  # handed off: its blocks are freed now or once the transport has read them
         state = self.requests.pop(request_id, None)
         if state is None:
-            return
+            return False
         if self.kv_imports is not None and self.kv_imports.drop(request_id):
-            return  # still waiting or fetching: the import frees what it holds
+            return True  # still waiting or fetching: the import frees what it holds
         if self.structured.drop(request_id):  # never scheduled
             for seq in state.seqs:
                 seq.finish_reason, seq.status = FinishReason.ABORT, SequenceStatus.FINISHED
-            return
+            return True
         for seq in state.seqs:
             if not seq.is_finished:
                 seq.finish_reason = FinishReason.ABORT
                 self.finish_sequence(seq)
+        return True
 
     def finish_sequence(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

@@ -73,7 +73,7 @@ class DecodeDeployment(RoleDeployment):
         frees its blocks here (after a receive under way)."""
         self._start_pusher()
         outputs = self._timed(handoff, self.async_engine.import_request(handoff))
-        async for chunk in self.chunks(handoff.request_id, outputs, stream):
+        async for chunk in self.chunks(outputs, stream):
             yield chunk
 
     async def _timed(self, handoff: RequestHandoff, outputs: AsyncIterator[RequestOutput]

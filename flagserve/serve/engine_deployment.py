@@ -66,28 +66,23 @@ class EngineDeployment:
         self._start_pusher()
         outputs = self.async_engine.generate(request.request_id, request.prompt_token_ids,
                                              request.params, request.arrival_time)
-        async for chunk in self.chunks(request.request_id, outputs, request.stream):
+        async for chunk in self.chunks(outputs, request.stream):
             yield chunk
 
-    async def chunks(self, request_id: str, outputs: AsyncIterator[RequestOutput],
-                     stream: bool) -> AsyncIterator[EngineChunk]:
-        """A request's outputs as chunks: each one (stream), or one when it finishes."""
-        finished = False
+    async def chunks(self, outputs: AsyncIterator[RequestOutput], stream: bool
+                     ) -> AsyncIterator[EngineChunk]:
+        """A request's outputs as chunks: each one (stream), or one when it finishes. (One
+        closed early is aborted by AsyncEngine; the engine reports the abort to metrics.)"""
         final: RequestOutput | None = None
-        try:
-            async for out in outputs:
-                if out.error is not None:  # a failed KV transfer (disaggregation)
-                    raise RuntimeError(out.error)
-                finished = out.finished
-                if stream:
-                    yield chunk_of(out)
-                else:
-                    final = out if final is None else merge_deltas(final, out)
-            if final is not None:
-                yield chunk_of(final)
-        finally:
-            if not finished:
-                self.metrics.count_abort(request_id)
+        async for out in outputs:
+            if out.error is not None:  # a failed KV transfer (disaggregation)
+                raise RuntimeError(out.error)
+            if stream:
+                yield chunk_of(out)
+            else:
+                final = out if final is None else merge_deltas(final, out)
+        if final is not None:
+            yield chunk_of(final)
 
     async def check_health(self) -> None:
         """Ray Serve calls this periodically; raising restarts the replica."""

@@ -18,6 +18,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from flagserve.config.schema import Role
+from flagserve.engine.core.loop import StepResult
 from flagserve.engine.kv_transfer.handoff import RequestHandoff
 from flagserve.engine.outputs import FinishReason, RequestOutput
 from flagserve.engine.stats import EngineStats
@@ -103,10 +104,16 @@ class EngineMetrics:
         self._success: dict[str, int] = {}
         self._seen: dict[str, _Seen] = {}
 
-    def on_step(self, outputs: list[RequestOutput], now: float) -> None:
+    def on_step(self, result: StepResult) -> None:
         with self._lock:
-            for out in outputs:
-                self._observe(out, now)
+            for out in result.outputs:
+                self._observe(out, result.time)
+            # Reported by the engine with the step that applied the abort, after the last
+            # output of the request: counted once, and its _seen entry goes with it.
+            abort = str(FinishReason.ABORT)
+            for request_id in result.aborted:
+                self._seen.pop(request_id, None)
+                self._success[abort] = self._success.get(abort, 0) + 1
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         new_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -140,13 +147,6 @@ class EngineMetrics:
         with self._lock:
             for name, seconds in ttft_split(handoff, now).items():
                 self._hist[name].observe(seconds)
-
-    def count_abort(self, request_id: str) -> None:
-        """An aborted request produces no final output; count it here."""
-        with self._lock:
-            self._seen.pop(request_id, None)
-            abort = str(FinishReason.ABORT)
-            self._success[abort] = self._success.get(abort, 0) + 1
 
     def snapshot(self, stats: EngineStats) -> dict:
         with self._lock:

@@ -149,10 +149,10 @@ def test_wire_round_trips_every_field():
                         True, filled(RequestMetrics), 3, "KV transfer failed", [None, *lp])
     stats = filled(EngineStats)
     handoff = filled(RequestHandoff, params=SamplingParams(seed=3), seqs=[], layout=filled(KVLayout))
-    result = StepResult([out], stats, 123.5, [("bad", ValueError("too long"))], [handoff])
+    result = StepResult([out], stats, 123.5, [("bad", ValueError("too long"))], [handoff], ["gone"])
     back = engine_wire.Decoder().decode(pickle.loads(engine_wire.Encoder().encode(result)))
     assert back.outputs == result.outputs and back.stats == stats and back.time == 123.5
-    assert back.handoffs == [handoff]
+    assert back.handoffs == [handoff] and back.aborted == ["gone"]
     assert back.rejected[0][0] == "bad" and str(back.rejected[0][1]) == "too long"
 
 

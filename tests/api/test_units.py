@@ -9,6 +9,7 @@ import pytest
 
 from flagserve.config.hostfile import HostfileError, parse_hostfile
 from flagserve.engine.async_engine import AsyncEngine
+from flagserve.engine.core.loop import StepResult
 from flagserve.engine.core.thread import EngineThread
 from flagserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from flagserve.engine.stats import EngineStats
@@ -55,8 +56,10 @@ class FakeEngine:
         self.requests[rid] = 0
 
     def abort(self, rid):
-        if self.requests.pop(rid, None) is not None:
-            self.aborted.append(rid)
+        if self.requests.pop(rid, None) is None:
+            return False
+        self.aborted.append(rid)
+        return True
 
     def has_unfinished(self):
         return bool(self.requests)
@@ -113,13 +116,41 @@ def test_metrics_render_vllm_names():
     m = EngineMetrics()
     out = RequestOutput("a", None, [1, 2], [CompletionOutput(0, "x", [3], None, None, "stop")],
                         True, RequestMetrics(arrival_time=1.0, first_token_time=1.5))
-    m.on_step([out], 2.0)
     stats = EngineStats(0, 0, 0.25, 10, 4, 2, 1, 0, 1, 0.1, 0.1)
+    m.on_step(StepResult([out], stats, 2.0))
     text = render({("tiny", "0"): m.snapshot(stats)}).decode()
     assert 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25' in text
     assert 'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 4.0' in text
     assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 1.0' in text
     assert 'vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.5' in text
+
+
+def test_a_stream_closed_early_is_one_abort_with_one_first_token_in_metrics():
+    """The engine keeps stepping a request until the abort reaches it: those outputs are not
+    a second first token, and the request leaves nothing behind in the metrics."""
+    from flagserve.engine.sampling_params import SamplingParams
+    fake, metrics = FakeEngine(), EngineMetrics()
+    engine = AsyncEngine(EngineThread(fake), on_step=metrics.on_step)
+
+    async def main():
+        gen = engine.generate("cut", [1], SamplingParams())
+        for _ in range(3):
+            await gen.__anext__()
+        await gen.aclose()
+        for _ in range(100):
+            if fake.aborted:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # any step still in flight has been published
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    snap = metrics.snapshot(EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0.0, 0.0))
+    assert snap["success"] == {"abort": 1}
+    assert sum(snap["histograms"]["vllm:time_to_first_token_seconds"][0]) == 1
+    assert metrics._seen == {}  # noqa: SLF001 - the leak this guards against
 
 
 def test_a_replica_that_stops_pushing_leaves_metrics_with_a_log_line(caplog, monkeypatch):

@@ -57,6 +57,7 @@ class StepResult:
     time: float
     rejected: list[tuple[str, Exception]] = field(default_factory=list)  # add_request errors
     handoffs: list[RequestHandoff] = field(default_factory=list)  # for decode engines
+    aborted: list[str] = field(default_factory=list)  # requests this engine withdrew (metrics)
 
 
 def run_steps(engine: Any, receive: Callable[[float], list[Command]],
@@ -66,21 +67,26 @@ def run_steps(engine: Any, receive: Callable[[float], list[Command]],
     while not stopping():
         busy = engine.has_unfinished()
         commands = receive(0.0 if busy else IDLE_WAIT_S)
-        rejected = apply_commands(engine, commands)
+        rejected, aborted = apply_commands(engine, commands)
         outputs = engine.step() if engine.has_unfinished() else []
         handoffs = engine.take_handoffs()
         # a step with no outputs can still change the stats (a KV transfer finished and freed
         # its blocks): the step that leaves the engine idle publishes them, or they stay stale
         went_idle = busy and not engine.has_unfinished()
         if outputs or commands or handoffs or went_idle:
-            publish(StepResult(outputs, engine.get_stats(), time.time(), rejected, handoffs))
+            publish(StepResult(outputs, engine.get_stats(), time.time(), rejected, handoffs,
+                               aborted))
 
 
-def apply_commands(engine: Any, commands: list[Command]) -> list[tuple[str, Exception]]:
-    rejected = []
+def apply_commands(engine: Any, commands: list[Command]
+                   ) -> tuple[list[tuple[str, Exception]], list[str]]:
+    """(add_request's errors, the requests aborted): an abort is reported with the step that
+    applied it, after every output of its request."""
+    rejected, aborted = [], []
     for command in commands:
         if isinstance(command, AbortRequest):
-            engine.abort(command.request_id)
+            if engine.abort(command.request_id):
+                aborted.append(command.request_id)
             continue
         try:
             if isinstance(command, ImportRequest):
@@ -92,4 +98,4 @@ def apply_commands(engine: Any, commands: list[Command]) -> list[tuple[str, Exce
             request_id = command.handoff.request_id if isinstance(command, ImportRequest) \
                 else command.request_id
             rejected.append((request_id, err))
-    return rejected
+    return rejected, aborted

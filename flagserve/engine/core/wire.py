@@ -76,7 +76,7 @@ class Encoder:
                 self._sent.add(o.request_id)
         # Handoffs go as dataclasses: one per request of a prefill engine, not one per step.
         return pickle.dumps((requests, _stats(result.stats), result.time, result.rejected,
-                             result.handoffs), protocol=pickle.HIGHEST_PROTOCOL)
+                             result.handoffs, result.aborted), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class Decoder:
@@ -89,9 +89,9 @@ class Decoder:
         self._prompts.pop(request_id, None)
 
     def decode(self, data: Any) -> StepResult:
-        outputs, stats, time, rejected, handoffs = data
+        outputs, stats, time, rejected, handoffs, aborted = data
         return StepResult([self._request(*o) for o in outputs], EngineStats(*stats), time, rejected,
-                          handoffs)
+                          handoffs, aborted)
 
     def _request(self, request_id, prompt, outputs, finished, metrics, num_cached_tokens,
                  error, prompt_logprobs) -> RequestOutput:
