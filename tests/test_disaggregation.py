@@ -241,3 +241,24 @@ def test_structured_and_prompt_scoring_requests_are_not_handed_off(llama_path):
     with pytest.raises(ValueError, match="prompt_logprobs are not supported"):
         prefill.add_prefill_request("p", SYSTEM, SamplingParams(prompt_logprobs=1))
     assert not prefill.has_unfinished()
+
+
+def test_a_request_too_wide_for_either_engine_is_refused_not_left_waiting(llama_path):
+    """n sequences whose prompt K/V the prefill engine cannot hold at once would park forever
+    (a parked sequence keeps its blocks); n past the decode engine's max_num_seqs would never
+    be admitted there. Each is a ValueError (HTTP 400 served), and nothing is left behind."""
+    p, d = inprocess_pair()
+    prefill, decode = engine(llama_path, p, num_kv_blocks=8), engine(llama_path, d, max_num_seqs=2)
+    tokens = prefill.tokenizer.encode("Will it rain today? " * 30)[:120]  # 7.5 blocks of 16
+    with pytest.raises(ValueError, match="needs 9 KV blocks .* n=2 sequences of a 120-token"):
+        prefill.add_prefill_request("wide", tokens, SamplingParams(n=2, max_tokens=4))
+    assert not prefill.has_unfinished() and "wide" not in prefill.requests
+    # 3 shared full blocks and 3 partial ones: 6 of the prefill engine's 8 ...
+    prefill.add_prefill_request("n3", tokens[:50], SamplingParams(n=3, max_tokens=4, ignore_eos=True))
+    while not prefill.kv_exports.exporting:
+        prefill.step()
+    # ... but not a decode batch of 2
+    with pytest.raises(ValueError, match="n=3 sequences, more than this decode engine's max_num_seqs=2"):
+        decode.import_request(prefill.take_handoffs()[0])
+    prefill.abort("n3")
+    assert_all_free(prefill, decode)

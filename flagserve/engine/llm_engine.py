@@ -12,7 +12,7 @@ from flagserve.engine.detokenizer import IncrementalDetokenizer, find_stop_strin
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.executor import make_executor
 from flagserve.engine.kv_budget import batched_tokens
-from flagserve.engine.kv_transfer.exports import check_handoff_params
+from flagserve.engine.kv_transfer.exports import check_blocks_fit, check_handoff_params
 from flagserve.engine.kv_transfer.handoff import RequestHandoff
 from flagserve.engine.kv_transfer.link import link_engine
 from flagserve.engine.kv_transfer.transport import KVEndpoint, TransferStats
@@ -179,6 +179,13 @@ class LLMEngine:
             raise ValueError("add_prefill_request needs a KV transport (EngineArgs.kv_transfer)")
         check_handoff_params(params)
         self.add_request(request_id, prompt, params, arrival_time)
+        bm = self.block_manager
+        try:
+            check_blocks_fit(self.requests[request_id], bm.num_blocks, bm.block_size,
+                             self.args.enable_prefix_caching)
+        except ValueError:
+            self.abort(request_id)
+            raise
         self.kv_exports.marked.add(request_id)
 
     def take_handoffs(self) -> list[RequestHandoff]:

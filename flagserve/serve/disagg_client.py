@@ -44,7 +44,10 @@ class DisaggregatedEngine:
         self.decode_stream = decode.options(stream=True)
 
     async def info(self) -> ModelInfo:
-        return await self.decode.info.remote()
+        """The decode role's, with the context both roles take (a prompt goes through both)."""
+        decode, prefill = await asyncio.gather(self.decode.info.remote(), self.prefill.info.remote())
+        return dataclasses.replace(decode, max_model_len=min(decode.max_model_len,
+                                                             prefill.max_model_len))
 
     async def ping(self) -> bool:
         return all(await asyncio.gather(self.prefill.ping.remote(), self.decode.ping.remote()))

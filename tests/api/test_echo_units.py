@@ -14,7 +14,7 @@ import pytest
 
 from flagserve.engine.outputs import CompletionOutput, Logprob
 from flagserve.entrypoints.openai.checks import check_chat, check_completion
-from flagserve.entrypoints.openai.engine_client import EngineChunk, EngineRequest
+from flagserve.entrypoints.openai.engine_client import EngineChunk, EngineRequest, ModelInfo
 from flagserve.entrypoints.openai.errors import OpenAIError
 from flagserve.entrypoints.openai.ingress import OpenAIIngress
 from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -318,3 +318,20 @@ def test_a_disaggregated_engines_refusal_is_a_400():
         asyncio.run(START(ingress, SimpleNamespace(module_id="m"), [request]))
     assert err.value.status == 400
     assert err.value.message == str(refusal)
+
+
+def test_a_disaggregated_module_advertises_the_context_both_roles_take():
+    class Role:
+        def __init__(self, max_model_len):
+            self.info = SimpleNamespace(remote=self._info)
+            self.max_model_len = max_model_len
+
+        def options(self, **_):
+            return self
+
+        async def _info(self):
+            return ModelInfo("m", "m", "/x", self.max_model_len, 100)
+
+    for prefill, decode in ((512, 2048), (2048, 1024)):
+        info = asyncio.run(DisaggregatedEngine(Role(prefill), Role(decode)).info())
+        assert info.max_model_len == min(prefill, decode)

@@ -27,6 +27,22 @@ def check_handoff_params(params: SamplingParams) -> None:
                          "yet; send the request to an aggregated engine")
 
 
+def check_blocks_fit(state: RequestState, num_blocks: int, block_size: int,
+                     prefix_caching: bool) -> None:
+    """A request is handed off once every sequence has its first token, and a parked sequence
+    holds its blocks (it is never preempted): one whose sequences cannot all hold the prompt's
+    K/V at once would wait forever, so it is refused. Sequences share the prompt's full blocks
+    through the prefix cache; each holds its own partial last block."""
+    prompt = len(state.prompt_token_ids)
+    shared = prompt // block_size if prefix_caching else 0
+    need = shared + len(state.seqs) * (-(-prompt // block_size) - shared)
+    if need > num_blocks:
+        raise ValueError(f"request {state.request_id!r} needs {need} KV blocks to prefill its "
+                         f"n={len(state.seqs)} sequences of a {prompt}-token prompt at once, this "
+                         f"prefill engine has {num_blocks}: lower n, or give the prefill role "
+                         "more KV blocks")
+
+
 class KVExports:
     def __init__(self, engine: LLMEngine, transport: KVEndpoint, runner: ModelRunner, layout: KVLayout):
         self.engine, self.transport, self.runner, self.layout = engine, transport, runner, layout

@@ -63,6 +63,10 @@ class KVImports:
         if h.num_blocks > e.block_manager.num_blocks:
             raise ValueError(f"request {h.request_id!r} needs {h.num_blocks} KV blocks, this "
                              f"engine has {e.block_manager.num_blocks}")
+        if len(h.seqs) > e.args.max_num_seqs:  # its sequences join the batch together
+            raise ValueError(f"request {h.request_id!r} has n={len(h.seqs)} sequences, more than "
+                             f"this decode engine's max_num_seqs={e.args.max_num_seqs}: lower n, "
+                             "or raise the decode role's max_num_seqs")
         if len(h.seqs[0].token_ids) >= e.max_model_len:
             raise ValueError(f"request {h.request_id!r} has {len(h.seqs[0].token_ids)} tokens, "
                              f"max_model_len is {e.max_model_len}")
