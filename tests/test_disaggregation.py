@@ -135,8 +135,14 @@ def test_decode_admits_only_when_blocks_fit(llama_path, reference):
     # Room for either request's prompt and decodes, never for both prompts at once.
     decode = engine(llama_path, d, num_kv_blocks=max(need) + 1)
     waited = []
-    got = run_disaggregated(prefill, decode, reqs,
-                            on_loop=lambda: waited.append(len(decode.kv_imports.waiting)))
+
+    def on_loop():
+        waiting = len(decode.kv_imports.waiting)
+        waited.append(waiting)
+        if waiting:  # counted as waiting (metrics, the router's load, autoscaling)
+            assert decode.get_stats().num_waiting >= waiting
+
+    got = run_disaggregated(prefill, decode, reqs, on_loop=on_loop)
     assert 1 in waited  # the second request waited for blocks ...
     for rid, _, _ in reqs:  # ... and both came out right
         assert completions(got[rid]) == completions(reference[rid])

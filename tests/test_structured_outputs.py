@@ -72,6 +72,14 @@ def test_unconstrained_neighbours_unchanged(llm):
     assert texts(mixed[3:]) == texts(llm.generate(PROMPTS, constrained(json=SCHEMA), use_tqdm=False))
 
 
+def test_requests_awaiting_their_grammar_count_as_waiting(llm):
+    engine = llm.llm_engine
+    engine.add_request("held", PROMPTS[0], constrained(json=SCHEMA, n=2, temperature=1.0))
+    assert engine.get_stats().num_waiting == 2  # held until compiled, not in the scheduler yet
+    engine.abort("held")
+    assert engine.get_stats().num_waiting == 0
+
+
 def test_preemption_and_chunking_keep_outputs(llama_path, llm):
     params = [constrained(json=SCHEMA), constrained(1.0, n=3, regex=r"[a-z ]{5,60}\."),
               constrained(0.7, n=2, json=SCHEMA)] * 2

@@ -472,7 +472,8 @@ class LLMEngine:
         t = self.kv_transport.stats if self.kv_transport is not None else TransferStats()
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + self.structured.held_seqs
+            + (self.kv_imports.waiting_seqs if self.kv_imports is not None else 0),
             kv_cache_usage=bm.usage(),
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 @dataclass
 class EngineStats:
     num_running: int  # sequences in the running batch
-    num_waiting: int  # sequences queued (new or preempted)
+    num_waiting: int  # sequences queued: new or preempted, awaiting a grammar or imported KV
     kv_cache_usage: float  # share of KV blocks in use, 0..1
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int  # of those, tokens found (cumulative)

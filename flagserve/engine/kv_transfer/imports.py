@@ -34,6 +34,11 @@ class KVImports:
         self.waiting: deque[Import] = deque()  # for blocks
         self.fetching: dict[str, Import] = {}
 
+    @property
+    def waiting_seqs(self) -> int:
+        """Sequences not yet in the batch: waiting for blocks, or for their KV to arrive."""
+        return sum(len(imp.live) for imp in (*self.waiting, *self.fetching.values()))
+
     def add(self, h: RequestHandoff) -> None:
         self._check(h)
         e = self.engine

@@ -112,6 +112,11 @@ class StructuredOutputs:
     def num_held(self) -> int:
         return len(self._held)
 
+    @property
+    def held_seqs(self) -> int:
+        """Sequences waiting for their grammar (counted as waiting, as vLLM counts them)."""
+        return sum(len(held.seqs) for held in self._held.values())
+
     def wait(self, timeout: float) -> None:
         """Block until a grammar is ready or `timeout`: for a step with nothing else to run."""
         if self.process is not None:
