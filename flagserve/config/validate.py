@@ -68,6 +68,8 @@ def validate_experiment(config: Config) -> None:
         if not 1 <= port <= 65535:
             raise ConfigError(f"experiment.runner.{key}", f"{port} is not a TCP port",
                               "use a port in 1..65535")
+    if runner.hostfile:
+        _check_ray_port(runner.ray_port, deploy.port)
     ssh = runner.ssh
     if ssh.connect_timeout <= 0 or runner.node_timeout_s <= 0:
         key = "ssh.connect_timeout" if ssh.connect_timeout <= 0 else "node_timeout_s"
@@ -78,6 +80,29 @@ def validate_experiment(config: Config) -> None:
                                                           and ssh.known_hosts == "auto_add"):
                 raise ConfigError(f"experiment.runner.ssh.{key}", f"file {file!r} does not exist",
                                   "point it at an existing file, or set it to null for the default")
+
+
+# The ports `ray start --head` (host_commands.ray_start) reserves for itself with its defaults;
+# a GCS port among them makes Ray refuse to start ("trying to use a port number ... that is
+# used by other components"). The dashboard's is reserved even with the dashboard off.
+RAY_WORKER_PORTS = range(10002, 20000)  # --min-worker-port .. --max-worker-port
+RAY_FIXED_PORTS = {8265: "the Ray dashboard", 10001: "the Ray client server",
+                   52365: "the Ray dashboard agent"}
+
+
+def _check_ray_port(port: int, http_port: int) -> None:
+    """The GCS port of the head is none of the ports Ray or the endpoint takes there."""
+    if port in RAY_WORKER_PORTS:
+        why = "is in Ray's worker port range 10002-19999: Ray refuses to start its head"
+    elif port in RAY_FIXED_PORTS:
+        why = f"is the port of {RAY_FIXED_PORTS[port]}: Ray refuses to start its head"
+    elif port == http_port:
+        why = "is also experiment.runner.deploy.port, the endpoint's port on the head"
+    else:
+        return
+    raise ConfigError("experiment.runner.ray_port", f"{port} {why}",
+                      "use 6379 (the default) or another free port outside 10001-19999 "
+                      "(and not 8265 or 52365)")
 
 
 def _check_limits(limits: ApiLimits) -> None:

@@ -205,6 +205,18 @@ def test_bad_hostfile(capsys, tmp_path):
     assert code == EXIT_CONFIG and "duplicate host 10.0.0.1" in err and ":2:" in err
 
 
+@pytest.mark.parametrize("port, why", [
+    (10002, "worker port range 10002-19999"), (19999, "worker port range 10002-19999"),
+    (10001, "the Ray client server"), (8265, "the Ray dashboard"),
+    (52365, "the Ray dashboard agent"), (8000, "also experiment.runner.deploy.port")])
+def test_ray_port_ray_takes_itself_is_a_config_error(capsys, port, why):
+    """Ray refused these with a long traceback once the head started; now plan says so."""
+    code, _, err = run(capsys, f"experiment.runner.hostfile={REPO}/hostfiles/two_nodes.txt",
+                       f"+experiment.runner.ray_port={port}")
+    assert code == EXIT_CONFIG and "`experiment.runner.ray_port`" in err, err
+    assert why in err and "use 6379" in err and "Traceback" not in err
+
+
 def fake_model(path: Path, **cfg) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps({
