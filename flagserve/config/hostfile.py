@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import shutil
@@ -32,7 +33,8 @@ class HostfileError(ValueError):
 
 
 HOST_KEYS = ("slots", "type", "ssh_port", "user")
-_ADDRESS_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.:_-]*[A-Za-z0-9])?$")  # IPv4/6 or a host name
+_ADDRESS_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")  # IPv4 or a host name
+_IPV4_LIKE = re.compile(r"^[0-9.]+$")  # digits and dots: an IPv4 address, or a mistake
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 DIGITS = re.compile(r"[0-9]{1,9}")  # str.isdigit() takes "²", which int() refuses
 USAGE = "`IP slots=N [type=gpu|cpu|NAME] [ssh_port=N] [user=NAME]`"
@@ -55,10 +57,11 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
         if not body:
             continue
         host = _parse_line(body, f"{source}:{lineno}: {line.strip()!r}")
-        if host.address in seen:
+        key = host.address.lower()  # host names are case-insensitive (IPv4 has one spelling)
+        if key in seen:
             raise HostfileError(f"{source}:{lineno}: {line.strip()!r}: duplicate host "
-                                f"{host.address} (first listed on line {seen[host.address]})")
-        seen[host.address] = lineno
+                                f"{host.address} (first listed on line {seen[key]})")
+        seen[key] = lineno
         hosts.append(host)
     if not hosts:
         raise HostfileError(f"{source}: lists no hosts; expected one per line: {USAGE}")
@@ -67,8 +70,7 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
 
 def _parse_line(body: str, where: str) -> Host:
     address, *fields = body.split()
-    if "=" in address or not _ADDRESS_RE.match(address):
-        raise HostfileError(f"{where}: {address!r} is not a host address; expected {USAGE}")
+    _check_address(address, where)
     values: dict[str, str] = {}
     for item in fields:
         key, sep, value = item.partition("=")
@@ -89,6 +91,26 @@ def _parse_line(body: str, where: str) -> Host:
     kind = values.get("type", "gpu")
     kind = kind.lower() if kind.lower() in ("gpu", "cpu") else kind  # NAME: e.g. A100, a GPU
     return Host(address, int(slots), kind, int(port) if port else None, values.get("user"))
+
+
+def _check_address(address: str, where: str) -> None:
+    """An IPv4 address (one spelling: no leading zeros, which some tools read as octal) or a
+    host name. IPv6 is refused: the Ray nodes' addresses and the shards' torch.distributed
+    rendezvous are built as `address:port`, which needs brackets for IPv6 that they lack."""
+    if ":" in address or address.startswith("["):
+        host, _, port = address.rpartition(":")
+        if DIGITS.fullmatch(port) and _ADDRESS_RE.match(host):  # 10.0.0.2:2222, node2:2222
+            raise HostfileError(f"{where}: {address!r}: a port does not go in the address; write "
+                                f"`{host} ... ssh_port={port}` (the SSH port)")
+        raise HostfileError(f"{where}: {address!r}: IPv6 addresses are not supported; use the "
+                            "host's IPv4 address or a host name")
+    if "=" in address or not _ADDRESS_RE.match(address):
+        raise HostfileError(f"{where}: {address!r} is not a host address; expected {USAGE}")
+    if _IPV4_LIKE.match(address):
+        try:
+            ipaddress.IPv4Address(address)
+        except ValueError as err:  # 999.1.1.1, 10.0.0, 10.0.0.01
+            raise HostfileError(f"{where}: {address!r} is not an IPv4 address ({err})") from None
 
 
 def local_host(envs: dict[str, str] | None = None) -> Host:

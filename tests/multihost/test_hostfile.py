@@ -41,6 +41,22 @@ def test_type_defaults_to_gpu():
     ("slots=8 10.0.0.1", "'slots=8' is not a host address"),
     ("10.0.0.1 slots=8 user=a;b", "user='a;b' is not a simple name"),
     ("# only comments\n\n", "lists no hosts"),
+    # a port in the address went on to fail at SSH connect; it belongs in ssh_port=
+    ("10.250.31.2:2222 slots=1", "'10.250.31.2:2222': a port does not go in the address; "
+                                 "write `10.250.31.2 ... ssh_port=2222`"),
+    ("node2:22 slots=1", "write `node2 ... ssh_port=22`"),
+    # host names and IPv4 addresses that differ in spelling only are the same host
+    ("Host-A slots=1\nhost-a slots=1", "hosts.txt:2: 'host-a slots=1': duplicate host host-a "
+                                      "(first listed on line 1)"),
+    ("999.1.1.1 slots=1", "'999.1.1.1' is not an IPv4 address (Octet 999 (> 255)"),
+    ("10.0.0.01 slots=1", "'10.0.0.01' is not an IPv4 address (Leading zeros"),
+    ("10.0.0 slots=1", "'10.0.0' is not an IPv4 address"),
+    # IPv6 went unbracketed into `ray start --address=fd00::1:6379` (or was "not a host
+    # address"): refused alike, whatever the spelling
+    ("fd00::1 slots=1", "'fd00::1': IPv6 addresses are not supported; use the host's IPv4"),
+    ("::1 slots=1", "'::1': IPv6 addresses are not supported"),
+    ("[fe80::1] slots=1", "'[fe80::1]': IPv6 addresses are not supported"),
+    ("[fd00::1]:22 slots=1", "IPv6 addresses are not supported"),
 ])
 def test_errors_name_the_line(text, message):
     with pytest.raises(HostfileError) as err:

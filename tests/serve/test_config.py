@@ -203,6 +203,9 @@ def test_bad_hostfile(capsys, tmp_path):
     hostfile.write_text("10.0.0.1 slots=8\n10.0.0.1 slots=8\n")
     code, _, err = run(capsys, f"experiment.runner.hostfile={hostfile}")
     assert code == EXIT_CONFIG and "duplicate host 10.0.0.1" in err and ":2:" in err
+    hostfile.write_text("10.0.0.1 slots=8\n10.0.0.2:2222 slots=8\n")  # failed at SSH connect
+    code, _, err = run(capsys, f"experiment.runner.hostfile={hostfile}")
+    assert code == EXIT_CONFIG and ":2: '10.0.0.2:2222 slots=8'" in err and "ssh_port=2222" in err
 
 
 @pytest.mark.parametrize("port, why", [
