@@ -6,6 +6,7 @@ status, test, plan, bench) then call it without asking which.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import yaml
 from flagserve.cluster.records import ExpPaths, write_private
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
+from flagserve.runner.console import print_ready, same_command
 
 
 class Deployment(ABC):
@@ -32,6 +34,31 @@ class Deployment(ABC):
         holds the API key: its owner alone reads it."""
         write_private(self.paths.config, yaml.safe_dump(dataclasses.asdict(self.config),
                                                         sort_keys=False).encode())
+
+    def where(self) -> str:
+        """For the ready message, after the URL: where it runs (nothing on this host alone)."""
+        return ""
+
+    def print_ready(self, hints: bool) -> None:
+        print_ready(self.config, self.endpoint, self.where(), hints)
+
+    def already_running(self, hints: bool) -> int:
+        """`run` again while it runs (is_running): fine when it runs this very config (make
+        serve twice), else an error. Compared with the exp_dir/config.yaml `run` saved."""
+        name = self.config.experiment.exp_name
+        try:
+            saved = yaml.safe_load(self.paths.config.read_text())
+        except (OSError, yaml.YAMLError):
+            saved = None
+        ours = {k: v for k, v in dataclasses.asdict(self.config).items()
+                if k not in ("action", "foreground")}
+        if not isinstance(saved, dict) or {k: v for k, v in saved.items() if k in ours} != ours:
+            print(f"{name} is already running with another config (records in {self.paths.run}); "
+                  f"stop it first: {same_command('stop')}", file=sys.stderr)
+            return 1
+        print(f"{name} is already running (the same config)", flush=True)
+        self.print_ready(hints)
+        return 0
 
     @property
     @abstractmethod

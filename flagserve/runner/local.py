@@ -1,7 +1,6 @@
 """The Deployment on this host: one serving process that owns its Ray cluster and its port."""
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -12,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 from flagserve.cluster import http
 from flagserve.cluster.port_owner import OwnerRecord, PortTakenError, take_port
 from flagserve.cluster.ray_env import LOCAL_HOST, ray_temp_dir
@@ -23,7 +20,7 @@ from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.config.validate import HOST_FIX
-from flagserve.runner.console import Progress, print_ready, same_command, tail
+from flagserve.runner.console import Progress, tail
 from flagserve.runner.deployment import Deployment
 from flagserve.runner.environment import hook_env, run_hook, server_env
 from flagserve.runner.launcher import server_grace_s, spawn, terminate
@@ -48,7 +45,7 @@ class LocalDeployment(Deployment):
     def run(self, hints: bool = True) -> int:
         config, paths = self.config, self.paths
         if self.is_running():
-            return self._already_running(hints)
+            return self.already_running(hints)
         owner = OwnerRecord(config.experiment.exp_name, config.experiment.exp_dir, self.endpoint,
                             config.deploy.port)
         try:
@@ -86,23 +83,6 @@ class LocalDeployment(Deployment):
         save_processes(paths, [record])
         return proc, record, log
 
-    def _already_running(self, hints: bool) -> int:
-        """`run` again: fine when it runs this very config (make serve twice), else an error."""
-        name = self.config.experiment.exp_name
-        try:
-            saved = yaml.safe_load(self.paths.config.read_text())
-        except (OSError, yaml.YAMLError):
-            saved = None
-        ours = {k: v for k, v in dataclasses.asdict(self.config).items()
-                if k not in ("action", "foreground")}
-        if saved is None or {k: v for k, v in saved.items() if k in ours} != ours:
-            print(f"{name} is already running with another config (records in {self.paths.run}); "
-                  f"stop it first: {same_command('stop')}", file=sys.stderr)
-            return 1
-        print(f"{name} is already running (the same config)", flush=True)
-        print_ready(self.config, self.endpoint, hints=hints)
-        return 0
-
     def _wait_ready(self, proc: subprocess.Popen, record: ProcessRecord, log: Path,
                     created: bool, hints: bool) -> int:
         url = self.endpoint
@@ -123,7 +103,7 @@ class LocalDeployment(Deployment):
             if created:  # a failed run leaves nothing behind
                 shutil.rmtree(self.paths.root, ignore_errors=True)
             return 1
-        print_ready(self.config, url, hints=hints)
+        self.print_ready(hints)
         return 0
 
     def _attach(self, proc: subprocess.Popen, record: ProcessRecord) -> int:
@@ -135,7 +115,7 @@ class LocalDeployment(Deployment):
             signal.signal(sig, forward)
         url = self.endpoint
         if http.wait_healthy(url, self.config.deploy.startup_timeout_s, lambda: proc.poll() is None):
-            print_ready(self.config, url)
+            self.print_ready(hints=True)
         code = proc.wait()
         terminate(record, grace_s=5.0)  # anything the server left behind in its session
         self._forget(keep_logs=True)

@@ -32,7 +32,6 @@ from flagserve.cluster.records import (
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config
 from flagserve.runner import host_commands as cmd
-from flagserve.runner.console import print_ready
 from flagserve.runner.deployment import Deployment
 from flagserve.runner.environment import ray_auth_env
 from flagserve.runner.multihost_status import print_status
@@ -62,10 +61,9 @@ class MultiHostDeployment(Deployment):
 
     def run(self, hints: bool = True) -> int:
         name = self.config.experiment.exp_name
+        self._pin_stages()  # first: the config `run` saved has them, already_running compares
         if self.is_running():
-            print(f"{name}: records of a running (or not cleanly stopped) deployment are in "
-                  f"{self.paths.run}; stop it first with action=stop", file=sys.stderr)
-            return 1
+            return self.already_running(hints)
         self._fresh_records()
         started: list[ProcessRecord] = []
         with Connections(self.config.experiment.runner) as conns:
@@ -78,7 +76,7 @@ class MultiHostDeployment(Deployment):
                 if not isinstance(err, HostError):
                     raise
                 return 1
-        print_ready(self.config, self.endpoint, self._where(), hints)
+        self.print_ready(hints)
         return 0
 
     def stop(self) -> int:
@@ -92,14 +90,17 @@ class MultiHostDeployment(Deployment):
     def status(self) -> int:
         return print_status(self.config, self.paths)
 
-    def _fresh_records(self) -> None:
-        """A new token, and the config with each module's stage hosts, under exp_dir."""
-        self.paths.make()
-        clear(self.paths)
-        ray_auth_env(self.paths.ray_token)
+    def _pin_stages(self) -> None:
+        """Each sharded module's stage hosts, from the hostfile, into its engine_args."""
         for module_id, module in self.config.llms.items():
             if module.world_size > 1 and not module.engine_args.get("placement_hosts"):
                 module.engine_args["placement_hosts"] = stage_hosts(self.config, self.hosts, module_id)
+
+    def _fresh_records(self) -> None:
+        """A new token, and the config (with each module's stage hosts), under exp_dir."""
+        self.paths.make()
+        clear(self.paths)
+        ray_auth_env(self.paths.ray_token)
         self.save_config()
 
     def _start(self, conns: Connections, started: list[ProcessRecord]) -> None:
@@ -153,7 +154,7 @@ class MultiHostDeployment(Deployment):
     def _gcs_address(self) -> str:
         return f"{self.head.address}:{self.config.experiment.runner.ray_port}"
 
-    def _where(self) -> str:
+    def where(self) -> str:
         """For the ready message: the hosts, and that a loopback bind serves the head only."""
         bind = self.config.deploy.host
         only = f"; bound to {bind} on the head {self.head.address} only" if bind in LOOPBACK_BINDS else ""

@@ -1,0 +1,111 @@
+"""Multi-host run and stop with SSH faked: every host is this machine (one filesystem), the
+agent's verbs run in this process. What a second `run` says."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+
+from flagserve.cluster.records import (
+    save_processes,
+)
+from flagserve.config import parse_config
+from flagserve.config.hostfile import parse_hostfile_text
+from flagserve.runner import agent
+from flagserve.runner.launcher import spawn, terminate
+from flagserve.runner.local import LocalDeployment
+from flagserve.runner.multihost import MultiHostDeployment
+from flagserve.runner.ssh import Connection, HostError, Result
+
+HOSTS = parse_hostfile_text("10.0.0.1 slots=1 type=cpu\n10.0.0.2 slots=1 type=cpu\n")
+HEAD, WORKER = (h.address for h in HOSTS)
+
+
+def config(exp_dir: Path, port: int = 8123, pp: int = 2):
+    cfg, _ = parse_config({
+        "experiment": {"exp_name": "demo", "exp_dir": str(exp_dir),
+                       "runner": {"hostfile": "h.txt", "deploy": {"port": port}}},
+        "serve": {"llm": {"engine_args": {"model": "/m", "device": "cpu",
+                                          "pipeline_parallel_size": pp}}}})
+    return cfg
+
+
+def fake_ssh(monkeypatch, unreachable: tuple[str, ...] = (), failing: tuple[str, ...] = (),
+             answers: dict[str, dict] | None = None):
+    """Connection on this machine; returns the (address, agent verb) calls. `unreachable`
+    hosts fail to connect, `failing` verbs exit 1, `answers` verbs print that JSON only."""
+    calls: list[tuple[str, str]] = []
+
+    def connect(conn):
+        if conn.address in unreachable:
+            raise HostError(conn.address, "cannot connect to SSH (fake)")
+        return conn
+
+    def run(conn, argv, timeout=120.0):  # noqa: ARG001
+        args = argv[argv.index("flagserve.runner.agent") + 1:]
+        calls.append((conn.address, args[0]))
+        if args[0] in failing:
+            return Result(1, "", f"{args[0]} failed (fake)")
+        if args[0] in (answers or {}):
+            return Result(0, json.dumps(answers[args[0]]), "")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = agent.main(args)
+        return Result(rc, out.getvalue(), "")
+
+    def put_bytes(conn, data, path, mode=0o644):  # noqa: ARG001
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(data)
+        os.chmod(path, mode)
+
+    monkeypatch.setattr(Connection, "connect", connect)
+    monkeypatch.setattr(Connection, "run", run)
+    monkeypatch.setattr(Connection, "put_bytes", put_bytes)
+    def makedirs(conn, path, mode=0o755):  # noqa: ARG001
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    monkeypatch.setattr(Connection, "makedirs", makedirs)
+    monkeypatch.setattr(Connection, "close", lambda _conn: None)
+    return calls
+
+
+def tokens(exp_dir: Path) -> list[Path]:
+    return sorted(exp_dir.glob("hosts/*/ray_auth_token"))
+
+
+def test_run_again_with_the_same_config_says_so_and_exits_0(tmp_path, monkeypatch, capsys):
+    """It exited 1 ("records of a running deployment ... stop it first"), and the stage hosts
+    `run` pins into the saved config must not make the same config look different."""
+    never_signalled = {"name": "x", "pid": 2**22 + 1, "create_time": 0.0, "argv": [], "log": None}
+    fake_ssh(monkeypatch, answers={"spawn": never_signalled, "wait-healthy": {"healthy": True}})
+    assert MultiHostDeployment(config(tmp_path), HOSTS).run(hints=False) == 0
+    capsys.readouterr()
+    assert MultiHostDeployment(config(tmp_path), HOSTS).run(hints=False) == 0
+    out, _ = capsys.readouterr()
+    assert "demo is already running (the same config)" in out
+    assert f"at http://127.0.0.1:8123/v1 across 2 hosts ({HEAD}, {WORKER}" in out
+    assert MultiHostDeployment(config(tmp_path, port=8124), HOSTS).run(hints=False) == 1
+    _, err = capsys.readouterr()
+    assert "demo is already running with another config" in err and "action=stop" in err
+
+
+def test_the_local_runner_shares_the_same_config_check(tmp_path, capsys):
+    """Deployment.already_running, moved from the local runner: a live recorded process."""
+    cfg, _ = parse_config({"experiment": {"exp_name": "demo", "exp_dir": str(tmp_path)}})
+    local = LocalDeployment(cfg, [])
+    local.paths.make()
+    local.save_config()
+    proc, record = spawn("server", ["sleep", "60"], dict(os.environ), None)
+    try:
+        save_processes(local.paths, [record])
+        assert LocalDeployment(cfg, []).run(hints=False) == 0
+        assert "demo is already running (the same config)" in capsys.readouterr().out
+        other, _ = parse_config({"experiment": {"exp_name": "demo", "exp_dir": str(tmp_path),
+                                                "runner": {"deploy": {"port": 8124}}}})
+        assert LocalDeployment(other, []).run(hints=False) == 1
+        assert "already running with another config" in capsys.readouterr().err
+    finally:
+        terminate(record, grace_s=1.0)
+        proc.wait()
