@@ -4,6 +4,7 @@
                                            [--cwd D] [--wait-port HOST:PORT --timeout S] -- ARGV...
     python -m flagserve.runner.agent wait-healthy --url URL --timeout S --record JSON
     python -m flagserve.runner.agent stop --records JSON [--ray-temp-dir D] [--logs D]
+                                          [--remove PATH]... [--after-stop CMD]
     python -m flagserve.runner.agent status --records JSON [--ray JSON --token FILE]
 
 Each verb prints one JSON object on stdout (the runner parses the last line) and exits 0, or
@@ -13,6 +14,7 @@ launcher as on a single host: a new session per process, recorded by pid and sta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-temp-dir", type=Path)
     p.add_argument("--logs", type=Path)
     p.add_argument("--env", action="append", default=[])
+    p.add_argument("--remove", action="append", default=[])
     p.add_argument("--after-stop")
     p.add_argument("--server-grace", type=float, default=server_grace_s(0.0))
     p = verbs.add_parser("status")
@@ -138,6 +141,8 @@ def _stop(args) -> dict:
             stopped.append({"name": record.name, "pid": record.pid, "was_alive": was_alive})
     if args.ray_temp_dir is not None and not survivors:
         remove_ray_temp_dir(args.ray_temp_dir, args.logs / "ray" if args.logs else None)
+    if not survivors:
+        _remove(args.remove)
     after_stop = None
     if args.after_stop and not survivors:
         rc = subprocess.run(["bash", "-c", args.after_stop], env=_with(args.env),
@@ -145,6 +150,14 @@ def _stop(args) -> dict:
         err = rc.stderr.decode(errors="replace")[-300:]
         after_stop = f"{rc.returncode}: {err}" if err else rc.returncode
     return {"stopped": stopped, "survivors": survivors, "after_stop": after_stop}
+
+
+def _remove(paths: list[str]) -> None:
+    """The run's files on this host (its Ray token), then their dirs, if empty by then."""
+    for path in map(Path, paths):
+        # a dir may still hold other hosts' files (a shared filesystem): it stays
+        with contextlib.suppress(OSError):
+            path.rmdir() if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def _with(items: list[str]) -> dict[str, str]:

@@ -53,6 +53,13 @@ class HostPaths:
         return f"{self.dir}/cluster.json"
 
     @property
+    def run_files(self) -> list[str]:
+        """What `run` put on the host besides its logs, files before their dirs: the token
+        goes at stop (and when a run fails), with the dirs once empty (a filesystem shared by
+        the hosts holds every host's dir)."""
+        return [self.token, self.cluster, self.dir, f"{self.exp_dir}/hosts"]
+
+    @property
     def logs(self) -> str:
         return f"{self.exp_dir}/logs/{self.address}"
 
@@ -141,12 +148,14 @@ def wait_healthy(config: Config, url: str, server_record: dict) -> list[str]:
 
 def stop_host(config: Config, address: str, records: list[dict], last: bool = True) -> list[str]:
     """Stop this host's recorded processes (last started first), keep Ray's logs, clean up;
-    `last`: nothing else of this run is left on the host, so run cmds.after_stop there."""
+    `last`: nothing else of this run is left on the host, so remove its token and run
+    cmds.after_stop there."""
     paths = HostPaths(config.experiment.exp_dir, address)
     args = [f"--records={json.dumps(records)}",
             f"--server-grace={server_grace_s(config.deploy.drain_timeout_s):g}"]
     if last:
         args += [f"--ray-temp-dir={paths.ray_temp_dir}", f"--logs={paths.logs}"]
+        args += [f"--remove={path}" for path in paths.run_files]
     if last and config.experiment.cmds.after_stop:
         env = {k: env_value(v) for k, v in config.experiment.envs.items()}
         args += [f"--env={k}={v}" for k, v in env.items()]

@@ -81,7 +81,9 @@ def test_stop_status_and_health():
     assert cmd.stop_host(cfg, "10.0.0.2", [rec]) == AGENT + [
         "stop", f"--records={json.dumps([rec])}", "--server-grace=60",
         f"--ray-temp-dir={cmd.HostPaths('/srv/exp', '10.0.0.2').ray_temp_dir}",
-        "--logs=/srv/exp/logs/10.0.0.2", "--env=NCCL_DEBUG=INFO", "--env=FLAG=1",
+        "--logs=/srv/exp/logs/10.0.0.2", "--remove=/srv/exp/hosts/10.0.0.2/ray_auth_token",
+        "--remove=/srv/exp/hosts/10.0.0.2/cluster.json", "--remove=/srv/exp/hosts/10.0.0.2",
+        "--remove=/srv/exp/hosts", "--env=NCCL_DEBUG=INFO", "--env=FLAG=1",
         "--after-stop=echo done"]
     # stopping the server alone leaves Ray's temp dir and after_stop to the host's last call
     assert cmd.stop_host(cfg, "10.0.0.1", [rec], last=False) == AGENT + [

@@ -1,5 +1,5 @@
 """Multi-host run and stop with SSH faked: every host is this machine (one filesystem), the
-agent's verbs run in this process. What a second `run` says."""
+agent's verbs run in this process. What a second `run`, a failed `run` and `stop` leave."""
 from __future__ import annotations
 
 import contextlib
@@ -8,12 +8,18 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from flagserve.cluster.records import (
+    HostRecord,
+    load_processes,
+    save_hosts,
     save_processes,
 )
 from flagserve.config import parse_config
 from flagserve.config.hostfile import parse_hostfile_text
 from flagserve.runner import agent
+from flagserve.runner import host_commands as cmd
 from flagserve.runner.launcher import spawn, terminate
 from flagserve.runner.local import LocalDeployment
 from flagserve.runner.multihost import MultiHostDeployment
@@ -89,6 +95,48 @@ def test_run_again_with_the_same_config_says_so_and_exits_0(tmp_path, monkeypatc
     assert MultiHostDeployment(config(tmp_path, port=8124), HOSTS).run(hints=False) == 1
     _, err = capsys.readouterr()
     assert "demo is already running with another config" in err and "action=stop" in err
+
+
+def test_stop_removes_every_hosts_token(tmp_path, monkeypatch):
+    """They outlived stop (records.clear removes the local run/ray_auth_token only)."""
+    calls = fake_ssh(monkeypatch)
+    deployment = MultiHostDeployment(config(tmp_path), HOSTS)
+    paths = deployment.paths
+    paths.make()
+    deployment.save_config()
+    save_hosts(paths, [HostRecord(HEAD, "u", 22, True, True), HostRecord(WORKER, "u", 22, True)])
+    for address in (HEAD, WORKER):
+        host = cmd.HostPaths(str(tmp_path), address)
+        Path(host.dir).mkdir(parents=True)
+        Path(host.token).write_bytes(b"secret")
+    Path(cmd.HostPaths(str(tmp_path), HEAD).cluster).write_text("{}")
+    proc, record = spawn("ray-head", ["sleep", "60"], dict(os.environ), None)
+    record.host = HEAD
+    try:
+        save_processes(paths, [record])
+        assert deployment.stop() == 0
+    finally:
+        terminate(record, grace_s=1.0)
+        proc.wait()
+    assert calls == [(WORKER, "stop"), (HEAD, "stop")]
+    assert tokens(tmp_path) == [] and not (tmp_path / "hosts").exists()
+    assert load_processes(paths) == [] and not paths.ray_token.exists()
+
+
+@pytest.mark.parametrize("others", [False, True])
+def test_the_agent_keeps_a_shared_hosts_dir_of_other_hosts(tmp_path, others):
+    paths = cmd.HostPaths(str(tmp_path), HEAD)
+    Path(paths.dir).mkdir(parents=True)
+    Path(paths.token).write_bytes(b"secret")
+    other = cmd.HostPaths(str(tmp_path), WORKER)
+    if others:
+        Path(other.dir).mkdir(parents=True)
+        Path(other.token).write_bytes(b"secret")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert agent.main(["stop", "--records=[]", *(f"--remove={p}" for p in paths.run_files)]) == 0
+    assert not Path(paths.dir).exists()
+    assert (tmp_path / "hosts").exists() == others
+    assert Path(other.token).exists() == others
 
 
 def test_the_local_runner_shares_the_same_config_check(tmp_path, capsys):
