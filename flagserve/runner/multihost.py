@@ -14,6 +14,7 @@ hosts.json; the SSH commands are built in host_commands.py.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -24,6 +25,7 @@ from flagserve.cluster.records import (
     ProcessRecord,
     RayRecord,
     clear,
+    load_hosts,
     load_processes,
     save_hosts,
     save_processes,
@@ -60,22 +62,33 @@ class MultiHostDeployment(Deployment):
         return bool(load_processes(self.paths))
 
     def run(self, hints: bool = True) -> int:
-        name = self.config.experiment.exp_name
         self._pin_stages()  # first: the config `run` saved has them, already_running compares
         if self.is_running():
             return self.already_running(hints)
-        self._fresh_records()
-        started: list[ProcessRecord] = []
-        with Connections(self.config.experiment.runner) as conns:
-            try:
-                self._start(conns, started)
-            except BaseException as err:  # HostError: reported; anything else (^C): undone, re-raised
-                if isinstance(err, HostError):
-                    print(f"{name}: run failed: {err}", file=sys.stderr)
-                self._undo(conns, started)
-                if not isinstance(err, HostError):
-                    raise
-                return 1
+        created = not self.paths.root.exists()
+        try:
+            self._fresh_records()
+            with Connections(self.config.experiment.runner) as conns:
+                return self._start_or_undo(conns, hints)
+        finally:
+            # A failed run forgot its records (_undo): it leaves no exp_dir behind, unless it
+            # keeps the records of what it could not stop (one that existed keeps its logs).
+            if created and not self.paths.has_records() and self.paths.root.exists():
+                shutil.rmtree(self.paths.root, ignore_errors=True)
+                print(f"{self.config.experiment.exp_name}: removed {self.paths.root} (this failed "
+                      "run created it)", file=sys.stderr)
+
+    def _start_or_undo(self, conns: Connections, hints: bool) -> int:
+        name = self.config.experiment.exp_name
+        try:
+            self._start(conns)
+        except BaseException as err:  # HostError: reported; anything else (^C): undone, re-raised
+            if isinstance(err, HostError):
+                print(f"{name}: run failed: {err}", file=sys.stderr)
+            self._undo(conns)
+            if not isinstance(err, HostError):
+                raise
+            return 1
         self.print_ready(hints)
         return 0
 
@@ -103,10 +116,11 @@ class MultiHostDeployment(Deployment):
         ray_auth_env(self.paths.ray_token)
         self.save_config()
 
-    def _start(self, conns: Connections, started: list[ProcessRecord]) -> None:
+    def _start(self, conns: Connections) -> None:
         """Every host reachable before anything starts; then the Ray nodes, head first; then
-        the serving process on the head, until it is healthy. `started` grows as they start."""
+        the serving process on the head, until it is healthy. Each is recorded as it starts."""
         config, paths, head = self.config, self.paths, self.head
+        started: list[ProcessRecord] = []
         for host in self.hosts:
             conns.open(host)
         self._prepare_hosts(conns)
@@ -132,8 +146,10 @@ class MultiHostDeployment(Deployment):
         """The token on every host; the config and the cluster's address on the head."""
         config, paths, head = self.config, self.paths, self.head
         token = paths.ray_token.read_bytes()
-        records = [_prepare(config, conns[h.address], h, token, h == head) for h in self.hosts]
-        save_hosts(paths, records)
+        records: list[HostRecord] = []
+        for host in self.hosts:  # recorded one by one: _undo removes the tokens already out
+            records.append(_prepare(config, conns[host.address], host, token, host == head))
+            save_hosts(paths, records)
         head_conn = conns[head.address]
         if not next(r for r in records if r.head).shared_fs:
             head_conn.put_bytes(paths.config.read_bytes(), str(paths.config), mode=0o600)
@@ -142,8 +158,10 @@ class MultiHostDeployment(Deployment):
         head_conn.put_bytes(json.dumps(cluster, indent=2).encode(),
                             cmd.HostPaths(config.experiment.exp_dir, head.address).cluster)
 
-    def _undo(self, conns: Connections, started: list[ProcessRecord]) -> None:
-        if started:
+    def _undo(self, conns: Connections) -> None:
+        """Stop what was started on every host that got the token (and remove it there), or
+        just forget the records when no host got it."""
+        if load_hosts(self.paths):
             print(f"{self.config.experiment.exp_name}: undoing what was started ...",
                   file=sys.stderr, flush=True)
             stop_all(self.config, self.paths, conns)

@@ -97,6 +97,36 @@ def test_run_again_with_the_same_config_says_so_and_exits_0(tmp_path, monkeypatc
     assert "demo is already running with another config" in err and "action=stop" in err
 
 
+def test_an_unreachable_host_leaves_no_exp_dir(tmp_path, monkeypatch, capsys):
+    exp = tmp_path / "exp"
+    calls = fake_ssh(monkeypatch, unreachable=(WORKER,))
+    assert MultiHostDeployment(config(exp), HOSTS).run() == 1
+    assert "host 10.0.0.2: cannot connect to SSH (fake)" in capsys.readouterr().err
+    assert not exp.exists() and calls == []
+
+
+def test_a_failed_start_removes_the_tokens_and_the_exp_dir_it_created(tmp_path, monkeypatch):
+    """The head's Ray node fails to start once every host has the token: undone on every host
+    through the agent's stop verb, which removes the host's token; then the exp_dir goes."""
+    exp = tmp_path / "exp"
+    calls = fake_ssh(monkeypatch, failing=("spawn",))
+    assert MultiHostDeployment(config(exp), HOSTS).run() == 1
+    assert calls == [(HEAD, "spawn"), (WORKER, "stop"), (HEAD, "stop")]
+    assert not exp.exists()
+
+
+def test_a_failed_run_in_an_existing_exp_dir_keeps_its_logs_only(tmp_path, monkeypatch):
+    exp = tmp_path / "exp"
+    (exp / "logs").mkdir(parents=True)
+    (exp / "logs" / "earlier.log").write_text("a run before\n")
+    fake_ssh(monkeypatch, failing=("spawn",))
+    deployment = MultiHostDeployment(config(exp), HOSTS)
+    assert deployment.run() == 1
+    assert (exp / "logs" / "earlier.log").read_text() == "a run before\n"
+    assert tokens(exp) == [] and not (exp / "hosts").exists()
+    assert not deployment.paths.ray_token.exists() and not deployment.paths.has_records()
+
+
 def test_stop_removes_every_hosts_token(tmp_path, monkeypatch):
     """They outlived stop (records.clear removes the local run/ray_auth_token only)."""
     calls = fake_ssh(monkeypatch)
