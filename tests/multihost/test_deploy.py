@@ -100,6 +100,7 @@ def test_pipeline_parallel_across_two_hosts(netns_hosts, tmp_path, llama_path):
         assert list((exp_dir / "logs" / host.address / "ray").glob("session_*/raylet.out"))
     assert_nothing_left(netns_hosts)
     assert not load_processes(ExpPaths(exp_dir))
+    assert not list(exp_dir.glob("hosts/*/ray_auth_token"))  # every host's token too
     again = run_py(*args, "action=stop")
     assert again.returncode == 0 and "nothing to stop" in again.stdout
 
@@ -128,6 +129,7 @@ def test_failure_on_one_host_undoes_the_others(netns_hosts, tmp_path):
     assert f"host {worker.address}: agent spawn failed" in result.stderr
     assert "experiment.cmds.before_start" in result.stderr and "broken" in result.stderr
     assert f"{head.address}: stopped ray-head" in result.stdout  # what had started is undone
-    assert not load_processes(ExpPaths(tmp_path / "exp"))
+    # with the tokens it copied to every host: this run created the exp_dir, it leaves none
+    assert not (tmp_path / "exp").exists()
     assert_nothing_left(netns_hosts)
 
