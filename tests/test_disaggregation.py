@@ -242,9 +242,11 @@ def test_structured_and_prompt_scoring_requests_are_not_handed_off(llama_path):
     pytest.importorskip("xgrammar")  # absent on the lent GPU machine's image
     prefill = engine(llama_path, inprocess_pair()[0])
     structured = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
-    with pytest.raises(ValueError, match="structured_outputs are not supported"):
+    with pytest.raises(ValueError, match=r"structured_outputs \(also response_format, and "
+                                         r"tool_choice required .*\) are not supported"):
         prefill.add_prefill_request("s", SYSTEM, structured)
-    with pytest.raises(ValueError, match="prompt_logprobs are not supported"):
+    with pytest.raises(ValueError,
+                       match=r"prompt_logprobs \(also echo with logprobs\) are not supported"):
         prefill.add_prefill_request("p", SYSTEM, SamplingParams(prompt_logprobs=1))
     assert not prefill.has_unfinished()
 

@@ -56,6 +56,10 @@ def map_disaggregation(deploy: dict[str, Any], serve: dict[str, Any], notes: lis
             split[role] = {**(split.get(role) or {}), "host": str(keys[key])}
             notes.append(f"{DEPLOY}.{key}={keys[key]} -> serve.{module_id}.disaggregation.{role}.host")
     module["disaggregation"] = split
+    dropped = [k for k in RUNNER_ONLY if k in keys]
+    if dropped:
+        notes.append(f"{DEPLOY}: dropping {', '.join(dropped)} (FlagScale's proxy and logs: "
+                     "the ingress routes and the run's logs are under exp_dir/logs)")
     if "prefill_decode_strategy" in keys:
         module["router"] = {**(module.get("router") or {}),
                             "strategy": _strategy(module_id, keys["prefill_decode_strategy"], notes)}

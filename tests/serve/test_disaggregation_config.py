@@ -100,6 +100,7 @@ def test_flagscale_keys_map_onto_the_module():
     assert any("decode_num=2 -> serve.llm.disaggregation.decode.num_replicas" in n for n in notes)
     assert any("prefill_decode_strategy=robin -> serve.llm.router.strategy=least_loaded" in n
                for n in notes)
+    assert any("dropping pd_proxy_port" in n for n in notes)
     config, notes = flagscale({"prefill_decode_disaggregation": False, "prefill_num": 2})
     assert config.serve["llm"].disaggregation is None
     assert any("ignoring prefill_num" in n for n in notes)

@@ -19,12 +19,16 @@ if TYPE_CHECKING:
 
 
 def check_handoff_params(params: SamplingParams) -> None:
+    # Named as a client sends them: the HTTP API turns response_format and forced tool calls
+    # into structured_outputs, echo with logprobs into prompt_logprobs.
     if params.structured_outputs is not None:  # the decode side would need the matcher's state
-        raise ValueError("structured_outputs are not supported with prefill/decode "
+        raise ValueError("structured_outputs (also response_format, and tool_choice required "
+                         "or a named function) are not supported with prefill/decode "
                          "disaggregation yet; send the request to an aggregated engine")
     if params.prompt_logprobs is not None:  # scored on the prefill side, never handed over
-        raise ValueError("prompt_logprobs are not supported with prefill/decode disaggregation "
-                         "yet; send the request to an aggregated engine")
+        raise ValueError("prompt_logprobs (also echo with logprobs) are not supported with "
+                         "prefill/decode disaggregation yet; send the request to an aggregated "
+                         "engine")
 
 
 def check_blocks_fit(state: RequestState, num_blocks: int, block_size: int,
