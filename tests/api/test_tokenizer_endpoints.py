@@ -189,3 +189,9 @@ def test_tokenizer_routes_in_process_and_through_the_tokenizer_deployment(llama_
     info = call(ingress.tokenizer_info, query={"model": "m"})
     assert (info["eos_token"], info["model_max_length"], info["model"]) == (hf.eos_token,
                                                                            MAX_MODEL_LEN, "m")
+
+
+def test_version_names_the_package(url):
+    import importlib.metadata
+    r = requests.get(url + "/version", timeout=10)
+    assert r.status_code == 200 and r.json() == {"version": importlib.metadata.version("flagserve")}

@@ -26,7 +26,8 @@ ROUTES = (("GET", "/health", "health"), ("GET", "/v1/models", "models"),
           ("POST", "/v1/chat/completions", "chat_completions"),
           # vLLM's tokenizer routes, at the root as vLLM serves them
           ("POST", "/tokenize", "tokenize"), ("POST", "/detokenize", "detokenize"),
-          ("GET", "/tokenizer_info", "tokenizer_info"))  # -> OpenAIIngress methods
+          ("GET", "/tokenizer_info", "tokenizer_info"),
+          ("GET", "/version", "version"))  # -> OpenAIIngress methods
 # Routes that run the engine: a client that leaves before a whole answer cancels the handler,
 # and the engine aborts its request (vLLM's with_cancellation). A stream's own end (its body
 # closed on the disconnect) does the same after the handler has returned.

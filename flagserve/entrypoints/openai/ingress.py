@@ -15,6 +15,7 @@ replica listens on deploy.host:port itself (http_server.py).
 """
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -73,6 +74,7 @@ from flagserve.entrypoints.openai.unhonoured import unknown_field_message
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
+VERSION = importlib.metadata.version("flagserve")  # installed by make (editable)
 
 async def whole(fmt: ChatFormat | CompletionFormat, stream: AsyncIterator) -> JSONResponse:
     """A response not streamed; cancelled (its client left: api.py) it closes the engine
@@ -289,6 +291,10 @@ class OpenAIIngress:
         except Exception:  # noqa: BLE001 - any failure is "unhealthy"
             alive = [False]
         return Response(status_code=200 if all(alive) else 503)
+
+    async def version(self, _: Request) -> JSONResponse:
+        """vLLM's /version: the server's package version."""
+        return JSONResponse({"version": VERSION})
 
     async def models(self, _: Request) -> JSONResponse:
         data = []
