@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -198,7 +199,18 @@ def _check_llm(module_id: str, module: LLMModule) -> None:
         match = re.match(r"EngineArgs\.(\w+) (.*)", str(err))
         key, message = (match.group(1), match.group(2)) if match else ("", str(err))
         raise ConfigError(f"{path}.engine_args{'.' + key if key else ''}", message,
-                          "see `EngineArgs` in flagserve/engine/engine_args.py") from None
+                          _parallel_fix(key, model_cfg)) from None
+
+
+def _parallel_fix(key: str, cfg: ModelConfig) -> str:
+    """The sizes this model splits into: TP must divide the heads, KV heads and MLP width."""
+    if key == "tensor_parallel_size":
+        width = math.gcd(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+        sizes = [n for n in range(1, width + 1) if width % n == 0][:8]
+        return f"use one of {', '.join(map(str, sizes))}"
+    if key == "pipeline_parallel_size":
+        return f"use at most {cfg.num_hidden_layers} (the model's layers)"
+    return "see `EngineArgs` in flagserve/engine/engine_args.py"
 
 
 def _model_config(key: str, model: Path) -> ModelConfig:
