@@ -335,3 +335,16 @@ def test_a_disaggregated_module_advertises_the_context_both_roles_take():
     for prefill, decode in ((512, 2048), (2048, 1024)):
         info = asyncio.run(DisaggregatedEngine(Role(prefill), Role(decode)).info())
         assert info.max_model_len == min(prefill, decode)
+
+
+def test_streamed_offsets_are_the_whole_answers_when_text_is_held_back():
+    """The first token's text held back (it may start a stop string), sent with the next:
+    each token's text_offset is where it stands in the answer, streamed or not."""
+    held = CompletionOutput(0, "", [30], None, OUT_1.logprobs)
+    rest = CompletionOutput(0, " world", [31], None, OUT_2.logprobs, "length")
+    whole = asyncio.run(full(CompletionFormat(Header("c", "m"), n=1, logprobs=1),
+                             stream(chunk(merged(), finished=True))))
+    parts = asyncio.run(streamed(CompletionFormat(Header("c", "m"), n=1, logprobs=1),
+                                 stream(chunk(held), chunk(rest, finished=True), pause=True)))
+    offsets = [o for e in parts for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == whole["choices"][0]["logprobs"]["text_offset"] == [0, 4]

@@ -200,9 +200,13 @@ class CompletionFormat:
         index = prompt * self.n + delta.index
         logprobs = CompletionLogprobs() if self.logprobs is not None else None
         echo = self._echo(prompt, index, logprobs)
+        start = self.offsets.get(index, 0)
         if logprobs is not None and delta.logprobs is not None:
-            logprobs.add(delta.logprobs, delta.token_ids, self.offsets.get(index, 0), self.logprobs)
-        self.offsets[index] = self.offsets.get(index, 0) + len(delta.text)
+            # From the tokens' texts, not the text sent: a stream holds back what may start a
+            # stop string (or a partial character), and its offsets must be the whole answer's.
+            self.offsets[index] = logprobs.add(delta.logprobs, delta.token_ids, start, self.logprobs)
+        else:
+            self.offsets[index] = start + len(delta.text)
         with_logprobs = logprobs is not None and (echo is not None or delta.logprobs is not None)
         choice = completion_choice(index, (echo or "") + delta.text, delta,
                                    logprobs.body() if with_logprobs else None)
