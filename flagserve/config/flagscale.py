@@ -9,10 +9,12 @@ Every mapping that changes meaning is reported as a note, never applied silently
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.flagscale_disagg import map_disaggregation
+from flagserve.config.schema import DeployConfig
 
 # vLLM server/engine flags FlagScale configs carry that have no counterpart here: accepted
 # so such a YAML runs, and listed in a note.
@@ -91,14 +93,19 @@ def _normalize_engine_args(module_id: str, args: dict[str, Any], names: set[str]
                            notes: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     ignored = []
-    for key, value in args.items():
-        key = RENAMED.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+    spelled: dict[str, str] = {}  # normalised key -> as the file wrote it
+    for raw_key, value in args.items():
+        key = RENAMED.get(str(raw_key).replace("-", "_"), str(raw_key).replace("-", "_"))
         if key.startswith("no_") and key[3:] in names and isinstance(value, bool):
             key, value = key[3:], not value  # vLLM's --no-enable-prefix-caching
+        if key in spelled:  # max-num-seqs and max_num_seqs: which one is meant?
+            raise ConfigError(f"serve.{module_id}.engine_args.{raw_key}",
+                              f"sets {key} again (also as {spelled[key]})", "keep one of them")
+        spelled[key] = str(raw_key)
         if key in SERVER_ARGS:
             deploy_moves[SERVER_ARGS[key]] = (f"serve.{module_id}.engine_args.{key}", value)
         elif key == "served_model_name":
-            entry.setdefault("model_name", value[0] if isinstance(value, list) else value)
+            entry.setdefault("model_name", value)
         elif key in VLLM_IGNORED:
             ignored.append(key)
         else:
@@ -129,8 +136,11 @@ def _move_to_deploy(raw: dict[str, Any], moves: dict[str, Any], notes: list[str]
     experiment = dict(raw.get("experiment") or {})
     runner = dict(experiment.get("runner") or {})
     deploy = dict(runner.get("deploy") or {})
+    defaults = {f.name: f.default for f in dataclasses.fields(DeployConfig)}
     for name, (source, value) in moves.items():
-        if name in deploy and deploy[name] != value:
+        # The experiment's own default (conf/serve.yaml and the examples spell out port 8000)
+        # is no choice to conflict with: FlagScale's engine_args value is the one meant.
+        if name in deploy and deploy[name] not in (value, defaults.get(name)):
             raise ConfigError(source, f"conflicts with experiment.runner.deploy.{name}="
                               f"{deploy[name]!r}", f"set only experiment.runner.deploy.{name}")
         deploy[name] = value

@@ -240,7 +240,9 @@ class LLMModule:
     in the ingress, or by a tokenizer deployment of their own when tokenizer.num_replicas > 0."""
     engine: Engine = "flagserve"
     engine_args: dict[str, Any] = field(default_factory=dict)
-    model_name: str | None = None  # name clients send as `model`; default: the model dir name
+    # name(s) clients send as `model` (vLLM's served_model_name: the first is the one answers
+    # carry); default: the model dir name
+    model_name: str | list[str] | None = None
     # When engine_args.model is null: a real model shipped as a package (the default), or the
     # built-in tiny random-weight model of an architecture (fast tests). At most one of them.
     builtin_model: PackagedModel | None = None

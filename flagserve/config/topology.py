@@ -67,7 +67,7 @@ def served_names(module_id: str, module: LLMModule) -> list[str]:
     """`model` values routed to this module: model_name (default: the model directory's
     name, or the GGUF file's without .gguf)."""
     if module.model_name:
-        return [module.model_name]
+        return [module.model_name] if isinstance(module.model_name, str) else module.model_name
     model = Path(str(module.engine_args.get("model", module_id)))
     return [(model.stem if model.suffix == ".gguf" else model.name) or module_id]
 

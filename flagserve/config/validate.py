@@ -128,9 +128,11 @@ def validate_graph(config: Config, hosts: list[Host]) -> None:
         if isinstance(module, LLMModule):
             _check_llm(module_id, module)
             for name in served_names(module_id, module):
-                if names.setdefault(name, module_id) != module_id:
+                # module ids are `model` values too (the ingress routes by either)
+                other = names.setdefault(name, module_id) if name not in config.serve else name
+                if other != module_id:
                     raise ConfigError(f"serve.{module_id}.model_name",
-                                      f"{name!r} is also served by serve.{names[name]}",
+                                      f"{name!r} is also served by serve.{other}",
                                       f"set a distinct serve.{module_id}.model_name")
             _check_resources(f"serve.{module_id}.tokenizer", module.tokenizer, min_replicas=0)
             _check_router(f"serve.{module_id}.router", module.router)

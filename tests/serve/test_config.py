@@ -372,3 +372,27 @@ def test_weights_that_disagree_with_config_json_are_a_config_error_in_plan(capsy
     code, _, err = run(capsys, f"serve.llm.engine_args.model={model}")
     assert code == EXIT_CONFIG and "Traceback" not in err, err
     assert "`serve.llm.engine_args.model`" in err and "but config.json implies [" in err
+
+
+def test_flagscale_engine_args_map_without_silent_choices():
+    from flagserve.config import parse_config
+    from flagserve.config.errors import ConfigError
+    entry = {"serve_id": "m", "engine": "vllm",
+             "engine_args": {"model": "/x", "port": 9010, "served_model_name": ["a", "b"]}}
+    # the experiment's own default port is no conflict: the engine_args one is meant
+    config, _ = parse_config({"experiment": {"runner": {"deploy": {"port": 8000}}},
+                              "serve": [entry]})
+    assert config.deploy.port == 9010
+    assert config.serve["m"].model_name == ["a", "b"]  # vLLM serves every name
+    with pytest.raises(ConfigError, match="conflicts with experiment.runner.deploy.port=9000"):
+        parse_config({"experiment": {"runner": {"deploy": {"port": 9000}}}, "serve": [entry]})
+    twice = {**entry, "engine_args": {"model": "/x", "max-num-seqs": 8, "max_num_seqs": 16}}
+    with pytest.raises(ConfigError, match="sets max_num_seqs again"):
+        parse_config({"serve": [twice]})
+
+
+def test_a_model_name_that_is_another_modules_id_is_refused(capsys):
+    code, _, err = run(capsys, "+serve.llm2={engine_args:{model:null},tiny_model:qwen2,"
+                               "model_name:llm}")
+    assert code == EXIT_CONFIG and "`serve.llm2.model_name`" in err
+    assert "'llm' is also served by serve.llm" in err
