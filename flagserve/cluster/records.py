@@ -25,6 +25,7 @@ class ProcessRecord:
     log: str | None
     host: str = "localhost"
     session: bool = True  # started as a session leader: its sid (== pid) marks its descendants
+    log_offset: int = 0  # the log's size when it started: its own output begins there
 
 
 @dataclass

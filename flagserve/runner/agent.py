@@ -107,7 +107,8 @@ def _spawn(args) -> dict:
                 terminate(record, grace_s=5.0)
                 why = (f"exited with {proc.returncode}" if proc.poll() is not None
                        else f"did not open {args.wait_port} within {args.timeout:g} s")
-                raise AgentError(f"{args.name} {why}\n{tail(args.log, LOG_LINES)}")
+                raise AgentError(f"{args.name} {why}\n"
+                                 f"{tail(args.log, LOG_LINES, record.log_offset)}")
             time.sleep(0.3)
     return asdict(record)
 
@@ -127,7 +128,7 @@ def _wait_healthy(args) -> dict:
     why = "exited" if not is_alive(record) else f"is not healthy after {args.timeout:g} s"
     log = Path(record.log) if record.log else None
     raise AgentError(f"the serving process (pid {record.pid}) {why}; "
-                     f"log {record.log}\n{tail(log, LOG_LINES)}")
+                     f"log {record.log}\n{tail(log, LOG_LINES, record.log_offset)}")
 
 
 def _stop(args) -> dict:

@@ -96,12 +96,15 @@ RAY_PREFIX = re.compile(r"^\([^)]*pid=\d+[^)]*\)\s*")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def tail(log: Path | None, lines: int) -> str:
-    """What a failed start's log says: its first errors, then its last `lines` lines, headed
-    by its path ("" when there is none)."""
+def tail(log: Path | None, lines: int, since: int = 0) -> str:
+    """What a failed start's log says from byte `since` (where this run's output begins: the
+    log holds every run's): its first errors, then its last `lines` lines, headed by its path
+    ("" when there is none)."""
     if log is None or not log.exists():
         return ""
-    text = log.read_text(errors="replace").splitlines()
+    with log.open("rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace").splitlines()
     first = _first_errors(text)
     return "\n".join([*first, f"last lines of {log}:", *text[-lines:]])
 

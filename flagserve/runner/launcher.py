@@ -31,6 +31,8 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log: Path | None,
           ) -> tuple[subprocess.Popen, ProcessRecord]:
     """Start `argv` in a new session; output goes to `log` (None: inherit the terminal);
     `pass_fds` stay open in the child."""
+    # The log is appended to by every run of the experiment: this one's output starts here.
+    offset = log.stat().st_size if log is not None and log.exists() else 0
     out = open(log, "ab") if log is not None else None  # noqa: SIM115 - owned by the child
     try:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
@@ -40,7 +42,7 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log: Path | None,
         if out is not None:
             out.close()
     record = ProcessRecord(name, proc.pid, psutil.Process(proc.pid).create_time(), argv,
-                           str(log) if log else None)
+                           str(log) if log else None, log_offset=offset)
     return proc, record
 
 

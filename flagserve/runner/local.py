@@ -97,7 +97,7 @@ class LocalDeployment(Deployment):
                       "became healthy", file=sys.stderr)
                 return 1
             print(f"{self.config.experiment.exp_name} {why} at {url}/health", file=sys.stderr)
-            print(tail(log, LOG_LINES), file=sys.stderr)
+            print(tail(log, LOG_LINES, record.log_offset), file=sys.stderr)
             terminate(record, grace_s=10.0)
             self._forget(keep_logs=not created)
             if created:  # a failed run leaves nothing behind

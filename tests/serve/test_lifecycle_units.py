@@ -204,6 +204,21 @@ def test_a_failed_start_shows_the_logs_first_errors_before_its_tail(tmp_path):
     assert text.splitlines()[-1] == "RuntimeError: Deploying application x failed"
 
 
+def test_a_failed_start_reads_only_its_own_part_of_the_log(tmp_path):
+    """The log is appended to by every run of the experiment: an earlier run's errors are not
+    this start's "first errors"; spawn records where this run's output begins."""
+    from flagserve.runner.launcher import spawn
+    log = tmp_path / "server.log"
+    log.write_text("ValueError: rejected by policy (a request of the last run)\n")
+    proc, record = spawn("server", [sys.executable, "-c", "raise TypeError('bad init arg')"],
+                         dict(os.environ), log)
+    proc.wait()
+    assert record.log_offset == len("ValueError: rejected by policy (a request of the last run)\n")
+    text = console.tail(log, 3, record.log_offset)
+    assert "first errors in the log:\n  TypeError: bad init arg" in text
+    assert "rejected by policy" not in text
+
+
 @pytest.mark.parametrize("host,words", [("notahost.invalid", "does not resolve"),
                                         ("192.0.2.1", "is not an address of this machine")])
 def test_a_bad_deploy_host_is_named_not_taken_for_a_port_in_use(host, words):
