@@ -66,7 +66,7 @@ if __name__ == "__main__":
         if _task_started or _USER_FULL_ERROR:
             raise
         from flagserve.config.overrides import override_error
-        print(override_error(err), file=sys.stderr)
+        print(override_error(err, sys.argv[1:]), file=sys.stderr)
         sys.exit(2)
     if _multirun_codes:  # -m: every point ran; bench points get a combined table
         from flagserve.runner.bench import finish_sweep

@@ -52,8 +52,9 @@ def _child(kind: Any, key: str) -> Any:
     return None
 
 
-def override_error(err: Exception) -> ConfigError:
-    """Hydra's composition error -> a ConfigError naming the key and the fix."""
+def override_error(err: Exception, overrides: list[str] = ()) -> ConfigError:
+    """Hydra's composition error -> a ConfigError naming the key and the fix; `overrides`:
+    the command line's, to name the one at fault where Hydra's message does not."""
     text = str(err).strip()
     cause = err.__cause__
     full_key = getattr(cause, "full_key", None)
@@ -79,6 +80,26 @@ def override_error(err: Exception) -> ConfigError:
         return ConfigError(override.partition("=")[0] or "command line", f"cannot be parsed: {first}",
                            "one override per argument, a value with spaces or shell characters "
                            "in quotes: \"key='echo a; exit 3'\"")
+    index = re.match(r"Index '([^']+)' \(str\) is not an int", first)
+    if index:  # a name where the file has a list: FlagScale's list form of `serve`
+        return _list_index_error(index.group(1), overrides)
     quoted = re.search(r"'([^']+)'", text)
     return ConfigError(quoted.group(1) if quoted else "command line", first,
                        rest.strip().replace("\n", "; ") or "see README.md, Config reference")
+
+
+def _list_index_error(name: str, overrides: list[str]) -> ConfigError:
+    """An override that names a list item by name (serve.qwen.x where the file lists serve
+    as FlagScale's `- serve_id: qwen` entries): lists are indexed by position in the file."""
+    for override in overrides:
+        key = override.lstrip("+~").partition("=")[0]
+        parts = key.split(".")
+        if name in parts[1:]:
+            at = parts.index(name)
+            listed = ".".join(parts[:at])
+            fixed = ".".join([*parts[:at], "0", *parts[at + 1:]])
+            return ConfigError(key, f"`{listed}` is a list in this config file (FlagScale's list "
+                               f"form), indexed by position, not by {name!r}",
+                               f"use the entry's position, e.g. {fixed}=... for the first")
+    return ConfigError(name, f"{name!r} names an item of a list (indexed by position)",
+                       "use the entry's position, e.g. serve.0.<key>=...")

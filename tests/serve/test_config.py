@@ -281,6 +281,12 @@ def test_flagscale_port_moves_to_deploy():
     (["serve=nope"], "config error at `serve`: Could not find 'serve/nope'\n  fix: use one of: "),
     (["serve.llm.engine_args.max_num_seqs=0"], "`serve.llm.engine_args.max_num_seqs`"),
     (["serve.llm.engine_args.enable_prefix_caching=maybe"], "must be true/false, got str 'maybe'"),
+    # FlagScale's list form is indexed by position; the override names the entry's serve_id
+    (["--config-path", "examples/qwen2_5/conf", "--config-name", "serve",
+      "serve.qwen.engine_args.max_model_len=2048"],
+     "config error at `serve.qwen.engine_args.max_model_len`: `serve` is a list in this config "
+     "file (FlagScale's list form), indexed by position, not by 'qwen'\n"
+     "  fix: use the entry's position, e.g. serve.0.engine_args.max_model_len=... for the first"),
 ])
 def test_cli_exit_code_2_without_traceback(args, words):
     result = run_py(*args, "action=plan", timeout=120)
