@@ -115,12 +115,29 @@ def test_matcher_replays_the_tokens_when_out_of_step(llm):
     ("regex", "a(b", "not a valid regex"),
     ("grammar", 'root ::= "a" |', "not a valid grammar"),
     ("choice", [], "non-empty list"),
+    # what xgrammar would answer with output that does not validate: refused
+    ("json", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ("json", {"type": "array", "contains": {"const": 1}}, "'contains'"),
+    ("json", {"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
+    ("json", {"type": "object", "properties": {"x": {"not": {"type": "null"}}}}, "'not'"),
+    ("json", {"type": "string", "pattern": "[a-z]+", "maxLength": 5}, "'pattern' or 'format'"),
+    ("json", {"$defs": {"A": {"type": "string"}}, "$ref": "#/$defs/A", "maxLength": 3}, "beside"),
+    # nested past what the parser takes in time (a 1.3 KB body hung the served engine)
+    ("json", {"type": "integer", "default": json.loads("[" * 100 + "]" * 100)}, "deeper than 64"),
 ])
 def test_invalid_constraints_name_the_field(kind, value, message):
     with pytest.raises(ValueError, match=f"structured_outputs.{kind} .*{message}"):
         StructuredOutputsParams(**{kind: value})
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(regex="a", choice=["a"])
+
+
+def test_keywords_as_property_names_and_metadata_beside_refs_are_fine():
+    schema = {"type": "object", "$defs": {"Loc": {"type": "string"}},
+              "properties": {"not": {"type": "integer"}, "if": {"type": "boolean"},
+                             "where": {"$ref": "#/$defs/Loc", "description": "a city"}},
+              "required": ["not", "if", "where"]}
+    StructuredOutputsParams(json=schema)
 
 
 def test_params_pickle_for_the_engine_process():

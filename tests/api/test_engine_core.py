@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from flagserve.engine.async_engine import AsyncEngine
-from flagserve.engine.core.loop import EngineDeadError
+from flagserve.engine.core.loop import AddRequest, EngineDeadError
 from flagserve.engine.core.process import STOP_TIMEOUT_S, EngineProcess
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.sampling_params import SamplingParams
@@ -54,6 +54,15 @@ def test_engine_process_matches_in_process_engine(llama_path):
             assert [(list(i), t) for i, t in got] == [(list(i), t) for i, t in expected]
             with pytest.raises(ValueError, match="max_model_len"):
                 await _collect(engine, "too-long", [1] * 300, params)
+            # A request that cannot be pickled to the child (nested past the recursion limit)
+            # fails alone; the writer thread lives on for the next one.
+            deep = nested = []
+            for _ in range(5000):
+                nested.append([])
+                nested = nested[0]
+            with pytest.raises(ValueError, match="cannot be sent to the engine process"):
+                engine.core.send(AddRequest("deep", deep, params, 0.0))
+            assert (await _collect(engine, "after", *prompts[:1], params)) == expected[0]
             # A consumer that goes away aborts its request: the engine becomes idle.
             gen = engine.generate("cut", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
             await gen.__anext__()

@@ -41,6 +41,25 @@ def test_required_makes_valid_calls(url):
         assert len(checked_calls(choice)) == 1 and choice["message"]["content"] is None
 
 
+def test_required_takes_parameters_that_refer_to_their_own_defs(url):
+    """pydantic's nested models: {"$ref": "#/$defs/Loc"} in a function's parameters, which
+    under `required` sit inside the list of calls (the references follow them there)."""
+    loc = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}},
+           "required": ["city"], "additionalProperties": False}
+    weather = {"type": "object", "$defs": {"Loc": loc},
+               "properties": {"where": {"$ref": "#/$defs/Loc"}}, "required": ["where"],
+               "additionalProperties": False}
+    tools = [*TOOLS, {"type": "function", "function": {"name": "weather", "parameters": weather}}]
+    r = chat(url, tools=tools, tool_choice="required", n=2, temperature=1.0, seed=2,
+             max_tokens=80)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        for call in choice["message"]["tool_calls"]:
+            name = call["function"]["name"]
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                weather if name == "weather" else SCHEMAS[name])
+
+
 def test_a_named_function_is_the_call(url):
     r = chat(url, tools=TOOLS, tool_choice=NAMED)
     assert [c["function"]["name"] for c in checked_calls(r.json()["choices"][0])] == ["pick"]

@@ -76,7 +76,7 @@ class EngineProcess:
         self.conn: Connection = parent
         self._stopping = False
         self.error: EngineDeadError | None = None
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands; None ends the writer
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # pickled; None ends the writer
         self._decoder = wire.Decoder()
         self._reader: threading.Thread | None = None
         self._writer: threading.Thread | None = None
@@ -125,9 +125,9 @@ class EngineProcess:
                 self._dead(on_result, EngineDeadError(repr(err)))
 
         def write() -> None:
-            while (command := self._outbox.get()) is not None:
+            while (data := self._outbox.get()) is not None:
                 try:
-                    self.conn.send(command)
+                    self.conn.send_bytes(data)
                 except OSError:
                     return  # the child is gone; the reader reports how
 
@@ -147,7 +147,13 @@ class EngineProcess:
             raise self.error
         if isinstance(command, AbortRequest):
             self._decoder.forget(command.request_id)
-        self._outbox.put(command)
+        # Pickled here, where a request that cannot be (nested past the recursion limit) fails
+        # alone: in the writer thread it ended the thread, and every later request waited.
+        try:
+            data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # noqa: BLE001 - RecursionError, PicklingError, TypeError, ...
+            raise ValueError(f"the request cannot be sent to the engine process: {err}") from None
+        self._outbox.put(data)
 
     @property
     def alive(self) -> bool:
@@ -169,7 +175,7 @@ class EngineProcess:
             with contextlib.suppress(OSError):
                 self.conn.send(Shutdown())
         else:
-            self._outbox.put(Shutdown())
+            self._outbox.put(pickle.dumps(Shutdown(), protocol=pickle.HIGHEST_PROTOCOL))
             self._outbox.put(None)
         try:
             self.proc.wait(timeout=STOP_TIMEOUT_S)

@@ -62,6 +62,10 @@ class StructuredOutputsParams:
                     _fail(kind, f"must be a JSON schema (an object), got invalid JSON: {err}")
             if not isinstance(value, (dict, bool)):
                 _fail(kind, f"must be a JSON schema (an object), got {type(value).__name__}")
+            if isinstance(value, dict):
+                problem = schema_problem(value)
+                if problem:
+                    _fail(kind, problem)
         elif kind == "choice":
             if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
                 _fail(kind, f"must be a non-empty list of non-empty strings, got {value!r}")
@@ -82,6 +86,70 @@ class StructuredOutputsParams:
         if kind == "choice":
             return choice_ebnf(self.choice)
         return getattr(self, kind)
+
+
+# Deeper documents cost xgrammar's parser seconds (it grows with the cube of the depth) and
+# cannot be pickled to the engine process; real schemas nest a few levels.
+MAX_SCHEMA_DEPTH = 64
+# Keywords xgrammar 0.2.8 does not enforce: a schema holding one would be answered with output
+# that does not validate, against "the grammar is the schema". Refused, as vLLM's xgrammar
+# backend refuses them.
+UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxContains",
+              "dependentSchemas", "dependentRequired", "patternProperties", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties")
+# Where a schema holds subschemas: one, a list of them, a mapping of them
+SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else",
+             "contains", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+# What may sit beside $ref: xgrammar follows the reference and drops any other constraint
+REF_COMPANIONS = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title",
+                  "description", "default", "examples", "deprecated", "readOnly", "writeOnly"}
+
+
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why the grammar could not be the schema (too deep, or a keyword xgrammar would drop),
+    or None. Iterative: a document nested past the recursion limit is refused, not crashed on."""
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"nests deeper than {MAX_SCHEMA_DEPTH} levels"
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    schemas = [schema]
+    while schemas:
+        node = schemas.pop()
+        if not isinstance(node, dict):
+            continue
+        problem = _node_problem(node)
+        if problem:
+            return problem
+        schemas += [node[k] for k in SUBSCHEMA if k in node]
+        schemas += [s for k in SUBSCHEMA_LISTS if isinstance(node.get(k), list) for s in node[k]]
+        schemas += [s for k in SUBSCHEMA_MAPS if isinstance(node.get(k), dict)
+                    for s in node[k].values()]
+    return None
+
+
+def _node_problem(node: dict[str, Any]) -> str | None:
+    unenforced = [k for k in UNENFORCED if k in node]
+    if node.get("uniqueItems"):
+        unenforced.append("uniqueItems")
+    if unenforced:
+        return f"uses {unenforced[0]!r}, which the grammar cannot enforce: remove it"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "combines schemas with 'allOf', which the grammar cannot enforce: merge them"
+    if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+        return ("bounds the length of a string that has a 'pattern' or 'format', which the "
+                "grammar cannot enforce together: put the bounds in the pattern")
+    if "$ref" in node and set(node) - REF_COMPANIONS:
+        extra = sorted(set(node) - REF_COMPANIONS)[0]
+        return (f"puts {extra!r} beside '$ref', which the grammar would drop: move it into the "
+                "referenced schema")
+    return None
 
 
 def choice_ebnf(choices: list[str]) -> str:

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
@@ -67,12 +68,33 @@ def _parameters(tool: ToolDef) -> dict[str, Any]:
 
 
 def calls_schema(tools: list[ToolDef], parallel: bool) -> dict[str, Any]:
-    """`required`: a JSON list of {"name", "arguments"}, each call one of the tools."""
-    call = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-             "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                            "arguments": _parameters(t)}} for t in tools]
+    """`required`: a JSON list of {"name", "arguments"}, each call one of the tools. A tool's
+    parameters that refer to their own root ($ref "#/$defs/X", pydantic's nested models) go
+    under the list's $defs, their references rewritten to point there: in place, "#" would
+    be the list."""
+    defs: dict[str, Any] = {}
+    call = []
+    for i, tool in enumerate(tools):
+        arguments = _parameters(tool)
+        if '"$ref"' in json.dumps(arguments):
+            defs[f"tool{i}"] = _rerooted(arguments, f"#/$defs/tool{i}")
+            arguments = {"$ref": f"#/$defs/tool{i}"}
+        call.append({"type": "object", "additionalProperties": False,
+                     "required": ["name", "arguments"],
+                     "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                    "arguments": arguments}})
     return {"type": "array", "minItems": 1, "items": {"anyOf": call},
-            **({} if parallel else {"maxItems": 1})}
+            **({} if parallel else {"maxItems": 1}), **({"$defs": defs} if defs else {})}
+
+
+def _rerooted(value: Any, root: str) -> Any:
+    """`value` with every local $ref ("#...") made relative to `root`."""
+    if isinstance(value, list):
+        return [_rerooted(v, root) for v in value]
+    if not isinstance(value, dict):
+        return value
+    return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else _rerooted(v, root)) for k, v in value.items()}
 
 
 def tool_constraint(tools: list[ToolDef] | None, mode: ToolMode, named: str | None,
