@@ -10,6 +10,7 @@ import json
 
 import jsonschema
 import pytest
+import requests
 
 from flagserve.models.packaged import smollm2_gguf
 from tests.api.conftest import serving
@@ -126,10 +127,19 @@ def test_the_follow_up_turn_is_accepted_and_rendered(url):
     first = chat(url, tools=TOOLS, tool_choice=NAMED).json()["choices"][0]["message"]
     turn = [{"role": "user", "content": "Pick one"}, first]
     answer = [{"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "blue is set"}]
-    without = post(url, "/v1/chat/completions", tools=TOOLS, messages=turn, max_tokens=4)
-    r = post(url, "/v1/chat/completions", tools=TOOLS, messages=turn + answer, max_tokens=4)
+    # `pick` alone: the tiny model's 512 tokens hold the tool prompt of one
+    without = post(url, "/v1/chat/completions", tools=TOOLS[1:], messages=turn, max_tokens=4)
+    r = post(url, "/v1/chat/completions", tools=TOOLS[1:], messages=turn + answer, max_tokens=4)
     assert r.status_code == without.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] > without.json()["usage"]["prompt_tokens"]
+    # The tiny model's template drops tool_calls (as SmolLM2's does): the call is written
+    # into the assistant turn as the system message's tool prompt asks for it.
+    ids = requests.post(url + "/tokenize", json={"messages": turn + answer, "tools": TOOLS[1:]},
+                        timeout=60).json()["tokens"]
+    prompt = requests.post(url + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+    call = first["tool_calls"][0]["function"]
+    assert f'<tool_call>\n{{"name": "pick", "arguments": {call["arguments"]}}}\n</tool_call>' \
+        in prompt, prompt
 
 
 @pytest.mark.parametrize("body, param", [

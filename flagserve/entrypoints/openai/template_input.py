@@ -56,8 +56,11 @@ For each function call, return a json object with function name and arguments wi
 def with_tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
                          ) -> list[dict[str, Any]]:
     """The tools described in the system message (Qwen2.5's Hermes wording), for templates
-    that do not show them: appended to the caller's system message, or one of its own."""
+    that do not show them: appended to the caller's system message, or one of its own. Such
+    a template drops earlier turns' tool_calls too: they go into their content in the form the
+    prompt asks for, so the model sees the calls its tool results answer."""
     prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    messages = [_calls_as_text(m) for m in messages]
     system = messages[0] if messages and messages[0].get("role") == "system" else None
     content = system.get("content") if system is not None else None
     if isinstance(content, str):
@@ -66,3 +69,19 @@ def with_tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, A
         return [{**system, "content": [*content, {"type": "text", "text": f"\n\n{prompt}"}]},
                 *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
+
+
+def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        return message
+    texts = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            call_json = json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments")},
+                                   ensure_ascii=False)
+            texts.append(f"<tool_call>\n{call_json}\n</tool_call>")
+    content = message.get("content") or ""
+    text = "\n".join([content, *texts] if content else texts)
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
