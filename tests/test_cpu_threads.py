@@ -138,3 +138,23 @@ def test_enabled_only_with_several_threads():
     assert not tuning_enabled(2, {"FLAGSERVE_CPU_THREAD_TUNING": "off"})
     with pytest.raises(ValueError, match="FLAGSERVE_CPU_THREAD_TUNING"):
         tuning_enabled(2, {"FLAGSERVE_CPU_THREAD_TUNING": "auto"})
+
+
+def test_offline_generate_leaves_the_callers_thread_count(llama_path, monkeypatch):
+    """The tuner sets torch's (process-wide) count every step; its first trial runs a step on
+    one thread. generate() ends with the caller's count: a later LLM starts on every core
+    (with a tuner), and the caller's own work is not left on one thread."""
+    import torch
+
+    from flagserve import LLM, SamplingParams
+    monkeypatch.setenv("FLAGSERVE_CPU_THREAD_TUNING", "on")
+    before = torch.get_num_threads()
+    if before < 2:
+        pytest.skip("needs 2 threads")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)  # into the trial
+    first = LLM(llama_path, dtype="float32")
+    assert first.llm_engine.executor.runner.thread_tuner is not None
+    first.generate([[5, 6, 7, 8]], params, use_tqdm=False)
+    assert torch.get_num_threads() == before
+    second = LLM(llama_path, dtype="float32")
+    assert second.llm_engine.executor.runner.thread_tuner is not None

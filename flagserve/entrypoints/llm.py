@@ -3,6 +3,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import replace
 from itertools import count
 
+import torch
 from tqdm.auto import tqdm
 
 from flagserve.engine.engine_args import EngineArgs
@@ -53,6 +54,9 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
         engine = self.llm_engine
         order: dict[str, int] = {}
+        # The CPU engine's thread tuner sets torch's count (process-wide) every step: the
+        # caller's comes back after, for its own work and a later LLM's start.
+        threads = torch.get_num_threads()
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
                 request_id = f"offline-{next(self._ids)}"
@@ -70,6 +74,8 @@ class LLM:
             for request_id in order:  # leave the engine clean for the next call
                 engine.abort(request_id)
             raise
+        finally:
+            torch.set_num_threads(threads)
         return results  # type: ignore[return-value]
 
     def chat(self, messages: list[dict] | list[list[dict]],
