@@ -48,6 +48,15 @@ def test_a_reservation_beyond_the_allowed_cores_is_capped():
 def test_bind_off_and_explicit_lists():
     assert plan_threads([0, 1], owned=2, bind="off") == ThreadPlan(2, ())
     assert plan_threads([0, 1, 2, 3], owned=1, bind="1-2") == ThreadPlan(2, (1, 2))
+    assert plan_threads([0, 1], owned=2, bind="") == plan_threads([0, 1], owned=2)  # as unset
+
+
+@pytest.mark.parametrize("bind", ["5", "0-3", "0-1000"])
+def test_bind_to_cores_the_process_may_not_use_is_refused(bind):
+    """A thread per named core, on cores it cannot run on: OpenMP refused its places, and the
+    log named cores the engine did not have."""
+    with pytest.raises(ValueError, match="FLAGSERVE_CPU_BIND=.* names cores .* its cores: 0,1"):
+        plan_threads([0, 1], owned=2, bind=bind)
 
 
 @pytest.mark.parametrize("text, cpus", [("0", (0,)), ("0-3", (0, 1, 2, 3)), ("0,2, 4-5", (0, 2, 4, 5)),
@@ -56,9 +65,9 @@ def test_parse_cpu_list(text, cpus):
     assert parse_cpu_list(text) == cpus
 
 
-@pytest.mark.parametrize("text", ["", "a", "3-1", "-1"])
+@pytest.mark.parametrize("text", ["", "a", "3-1", "-1", "0,,1", "1-2-3"])
 def test_parse_cpu_list_refuses_nonsense(text):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="FLAGSERVE_CPU_BIND must be auto, off or cores"):
         parse_cpu_list(text)
 
 
@@ -82,6 +91,9 @@ def test_preload_puts_found_libraries_first_once():
         "LD_PRELOAD": "/x/libtcmalloc_minimal.so.4:/a.so"}
     assert preload_env({"LD_PRELOAD": ":".join(libs)}, libs) == {}  # already there: nothing to add
     assert preload_env({"FLAGSERVE_CPU_PRELOAD": "0"}, libs) == {}
+    assert preload_env({"FLAGSERVE_CPU_PRELOAD": "off"}, libs) == {}  # as every other switch
+    with pytest.raises(ValueError, match="FLAGSERVE_CPU_PRELOAD must be one of"):
+        preload_env({"FLAGSERVE_CPU_PRELOAD": "false"}, libs)  # not quietly on
     assert preload_env({}, []) == {}  # nothing installed: silently nothing
 
 

@@ -17,8 +17,12 @@ engines would be bound to the same cores, so only the thread count is set.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+from kernels.env import env_choice
 
 BIND_ENV = "FLAGSERVE_CPU_BIND"
 # How OpenMP threads wait at a barrier (one per op). GNU OpenMP spins ~300k iterations
@@ -50,14 +54,17 @@ class ThreadPlan:
         return env
 
 
+CORE_RANGE = re.compile(r"([0-9]{1,4})(?:-([0-9]{1,4}))?")
+
+
 def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """`0-3,6` -> (0, 1, 2, 3, 6); ValueError on anything else."""
+    """`0-3,6` -> (0, 1, 2, 3, 6); ValueError naming the variable on anything else."""
     cpus: list[int] = []
     for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        lo, hi = int(first), int(last or first)
-        if lo < 0 or hi < lo:
-            raise ValueError(f"{BIND_ENV}: bad core range {part!r}")
+        match = CORE_RANGE.fullmatch(part.strip())
+        lo, hi = (int(match.group(1)), int(match.group(2) or match.group(1))) if match else (0, -1)
+        if hi < lo:
+            raise ValueError(f"{BIND_ENV} must be auto, off or cores such as 0-3,6; got {text!r}")
         cpus.extend(range(lo, hi + 1))
     return tuple(dict.fromkeys(cpus))
 
@@ -65,9 +72,13 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
 def plan_threads(allowed: Sequence[int], owned: int | None, bind: str = "auto") -> ThreadPlan:
     """The engine's threads, from the cores this process may run on (`allowed`), the cores
     its replica owns (`owned`: Ray's num_cpus, None = all allowed) and FLAGSERVE_CPU_BIND."""
-    allowed = tuple(sorted(allowed))
+    allowed, bind = tuple(sorted(allowed)), bind or "auto"  # set but empty: as unset
     if bind not in ("auto", "off"):
         cpus = parse_cpu_list(bind)
+        outside = [c for c in cpus if c not in allowed]
+        if outside:  # a thread per named core: more threads than cores, bound to none
+            raise ValueError(f"{BIND_ENV}={bind} names cores {outside[:8]} that this process "
+                             f"may not run on; its cores: {','.join(map(str, allowed))}")
         return ThreadPlan(len(cpus), cpus)
     n = max(1, min(owned or len(allowed), len(allowed)))
     bound = bind == "auto" and n == len(allowed)
@@ -123,9 +134,10 @@ def replica_cpus(host_cpus: int, engine_replicas: int) -> float:
 # tcmalloc (vLLM's CPU guide recommends it with Intel OpenMP): LD_PRELOAD works only for a
 # process that starts with it, so the engine process gets it at spawn (core/process.py) and
 # compare_vllm's FlagServe worker gets it in its environment. Missing, it is skipped silently;
-# FLAGSERVE_CPU_PRELOAD=0 turns it off. Intel OpenMP is not preloaded for FlagServe: on top
+# FLAGSERVE_CPU_PRELOAD=off (or 0) turns it off. Intel OpenMP is not preloaded for FlagServe: on top
 # of tcmalloc it measured 3-17% slower than torch's own GNU OpenMP (docs/performance.md, CPU).
 PRELOAD_ENV = "FLAGSERVE_CPU_PRELOAD"
+Preload = Literal["on", "off", "1", "0"]
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 
@@ -148,7 +160,7 @@ def intel_openmp_library(prefix: str) -> list[str]:
 def preload_env(env: Mapping[str, str], libraries: Sequence[str]) -> dict[str, str]:
     """LD_PRELOAD with `libraries` in front of what `env` has (none twice); {} when turned
     off or nothing is found."""
-    if env.get(PRELOAD_ENV, "1") == "0" or not libraries:
+    if env_choice(PRELOAD_ENV, Preload, "on", environ=env) in ("off", "0") or not libraries:
         return {}
     current = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
     wanted = [lib for lib in libraries if lib not in current]
