@@ -83,6 +83,12 @@ def test_built_for_a_native_float32_head_on_one_rank(monkeypatch):
     for kind in KINDS:
         monkeypatch.setenv(GREEDY_HEAD_ENV, kind)
         assert isinstance(greedy_head_for(weight, 100, "native", 1).approx, Int8Logits) == (kind == "int8")
+    # asked for by name where it cannot be: refused, naming why (it was dropped silently)
+    for args in ((weight, 100, "onednn", 1), (weight, 100, "native", 2),
+                 (weight.bfloat16(), 100, "native", 1)):
+        with pytest.raises(ValueError, match=f"{GREEDY_HEAD_ENV}=int8 needs the native float32"):
+            greedy_head_for(*args)
+    monkeypatch.setenv(GREEDY_HEAD_ENV, "auto")
     assert greedy_head_for(weight, 100, "onednn", 1) is None
     assert greedy_head_for(weight, 100, "native", 2) is None
     assert greedy_head_for(weight.bfloat16(), 100, "native", 1) is None

@@ -119,9 +119,14 @@ def greedy_head_for(weight: torch.Tensor, vocab_size: int, matmul: str,
                     tp_size: int) -> GreedyHead | None:
     """A GreedyHead for an LM head packed for the `matmul` kernel, where it pays (module
     docstring)."""
-    if matmul != "native" or tp_size != 1 or weight.dtype != torch.float32:
-        return None
     mode = greedy_head_mode()
+    if matmul != "native" or tp_size != 1 or weight.dtype != torch.float32:
+        if mode in ("off", "auto"):
+            return None
+        # asked for by name: refused, not dropped without a word
+        raise ValueError(f"{GREEDY_HEAD_ENV}={mode} needs the native float32 matmul with TP 1 "
+                         f"(this LM head: {matmul} matmul, {str(weight.dtype).removeprefix('torch.')}"
+                         f", TP {tp_size}); set it to auto or off")
     if mode == "auto":
         kind = auto_approximation() if weight.numel() >= AUTO_MIN_WEIGHTS else None
         return None if kind is None else GreedyHead.build(weight, vocab_size, kind)
