@@ -248,10 +248,28 @@ def _check_user_module(module_id: str, module: UserModule) -> None:
         tree = ast.parse(file.read_text(), filename=str(file))
     except SyntaxError as err:
         raise ConfigError(f"{path}.module", f"{file} does not parse: {err}", "fix the file") from None
-    classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     if module.name not in classes:
         raise ConfigError(f"{path}.name", f"no class {module.name!r} in {file}",
                           f"use one of: {', '.join(classes) or '(no classes defined)'}")
+    accepted = _init_keywords(classes[module.name])
+    unknown = sorted(set(module.init_args) - accepted) if accepted is not None else []
+    if unknown:  # found here, not 20 s into a deployment
+        raise ConfigError(f"{path}.init_args.{unknown[0]}",
+                          f"{module.name}.__init__ takes no argument {unknown[0]!r}",
+                          f"use one of: {', '.join(sorted(accepted)) or '(none)'}")
+
+
+def _init_keywords(cls: ast.ClassDef) -> set[str] | None:
+    """The keyword arguments the class's own __init__ takes; None when that cannot be read
+    from the source (inherited, **kwargs, a decorator)."""
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"),
+                None)
+    if init is None:
+        return set() if not cls.bases and not cls.decorator_list else None
+    if init.args.kwarg is not None or init.decorator_list:
+        return None
+    return {a.arg for a in [*init.args.args[1:], *init.args.kwonlyargs]}
 
 
 def _check_resources(path: str, res: ResourcesConfig, min_replicas: int = 1) -> None:
@@ -268,10 +286,14 @@ def _check_resources(path: str, res: ResourcesConfig, min_replicas: int = 1) -> 
         if lo < 0 or hi < 1 or lo > hi:
             raise ConfigError(f"{path}.min_replicas", f"need 0 <= min_replicas <= max_replicas "
                               f"and max_replicas >= 1, got {lo}..{hi}", "e.g. min 1, max 4")
-    for name in ("num_cpus", "num_gpus", "target_ongoing_requests"):
+    for name in ("num_cpus", "num_gpus"):
         value = getattr(res, name)
         if value is not None and value < 0:
-            raise ConfigError(f"{path}.{name}", f"must be >= 0, got {value}", "e.g. 1")
+            raise ConfigError(f"{path}.{name}", f"must be >= 0, got {value:g}", "e.g. 1")
+    if (target := res.target_ongoing_requests) is not None and not target > 0:
+        # (0 was taken for unset: the default target replaced it without a word)
+        raise ConfigError(f"{path}.target_ongoing_requests", f"must be > 0, got {target:g}",
+                          "e.g. 8, or null for the default (the engine's max_num_seqs)")
     if res.max_ongoing_requests is not None and res.max_ongoing_requests < 1:
         raise ConfigError(f"{path}.max_ongoing_requests", "must be >= 1", "e.g. 256")
 

@@ -138,6 +138,9 @@ def test_tokenizer_deployment_is_optional(capsys):
     (["serve.llm.resources.min_replicas=3"], "serve.llm.resources.max_replicas", "both"),
     (["serve.llm.tokenizer.num_replicas=-1"], "serve.llm.tokenizer.num_replicas", ">= 0"),
     (["serve.llm.resources.num_replicas=0"], "serve.llm.resources.num_replicas", ">= 1"),
+    (["serve.llm.resources.min_replicas=1", "serve.llm.resources.max_replicas=2",
+      "serve.llm.resources.target_ongoing_requests=0"],
+     "serve.llm.resources.target_ongoing_requests", "must be > 0, got 0"),
     (["serve.llm.engine_args.tensor_parallel_size=3"], "serve.llm.engine_args.tensor_parallel_size",
      "must divide the model's num_attention_heads=4, got 3"),
     (["serve.llm.engine_args.pipeline_parallel_size=3"],
@@ -188,6 +191,18 @@ def test_depends_cycle_and_dangling(capsys, graph):
     assert code == EXIT_CONFIG and "`serve.a.depends`" in err and "unknown module 'ghost'" in err
     code, _, err = run(capsys, *user("a", graph, "[llm]"))
     assert code == EXIT_CONFIG and "is an LLM" in err
+
+
+def test_user_module_init_args_are_checked_against_its_init(capsys, tmp_path):
+    (tmp_path / "a.py").write_text("class M:\n    def __init__(self, top_k=2, *, tag='x'):\n"
+                                   "        pass\n    def __call__(self, body):\n"
+                                   "        return body\n")
+    code, _, err = run(capsys, *user("a", tmp_path, "[]"), "+serve.a.init_args.nope=1")
+    assert code == EXIT_CONFIG and "`serve.a.init_args.nope`" in err
+    assert "M.__init__ takes no argument 'nope'" in err and "use one of: tag, top_k" in err
+    code, _, err = run(capsys, *user("a", tmp_path, "[]"), "+serve.a.init_args.top_k=3",
+                       "+serve.a.init_args.tag=y")
+    assert code == 0, err
 
 
 def test_more_gpus_than_hosts(capsys, tmp_path):
