@@ -59,3 +59,19 @@ def test_failures_name_the_module(deployment):
         asyncio.run(deployment("Broken")({"prompt": "x"}))
     with pytest.raises(ValueError, match="not allowed"):  # a refusal stays a 400
         asyncio.run(deployment("Refusing")({"prompt": "x"}))
+
+
+def test_a_modules_body_is_checked_as_the_modules_not_the_clients():
+    from flagserve.entrypoints.openai.errors import OpenAIError
+    from flagserve.entrypoints.openai.ingress import ModelRoute, OpenAIIngress
+    from flagserve.entrypoints.openai.protocol import CompletionRequest
+    route = ModelRoute("llm", ["tiny"], None, "/m", None, [("tagger", None)])
+    reparse = OpenAIIngress._reparse  # noqa: SLF001 - the check alone, without a server
+    assert reparse(CompletionRequest, {"model": "llm", "prompt": "x"}, route).prompt == "x"
+    with pytest.raises(OpenAIError) as err:
+        reparse(CompletionRequest, {"model": "other", "prompt": "x"}, route)
+    assert err.value.status == 500 and "user module(s) tagger set model to 'other'" in str(err.value)
+    with pytest.raises(OpenAIError) as err:
+        reparse(CompletionRequest, {"prompt": 123}, route)
+    assert err.value.status == 500 and "tagger returned a body that is not a valid request" in \
+        err.value.message

@@ -196,9 +196,24 @@ class OpenAIIngress:
             except ValueError as err:
                 raise OpenAIError(400, f"{module_id}: {error_message(err)}") from None
         if route.preprocessors:
+            parsed = self._reparse(model, body, route)
+        return parsed, route, await self._info(route)
+
+    @staticmethod
+    def _reparse(model: type, body: dict[str, Any], route: ModelRoute) -> Any:
+        """The body user modules returned, checked as a client's; what is wrong with it is
+        theirs to fix, and they may not send it to another model (their route is this one)."""
+        names = ", ".join(module_id for module_id, _ in route.preprocessors)
+        try:
             check_text(body)
             parsed = parse_request(model, body)
-        return parsed, route, await self._info(route)
+        except OpenAIError as err:
+            raise OpenAIError(500, f"user module(s) {names} returned a body that is not a valid "
+                              f"request: {err.message}", err.param) from None
+        if parsed.model is not None and parsed.model not in (*route.names, route.module_id):
+            raise OpenAIError(500, f"user module(s) {names} set model to {parsed.model!r}; "
+                              f"their requests go to {route.names[0]!r}", "model")
+        return parsed
 
     async def _encode_prompts(self, route: ModelRoute, prompts: list, info: ModelInfo
                               ) -> list[list[int]]:
