@@ -115,6 +115,9 @@ def test_matcher_replays_the_tokens_when_out_of_step(llm):
     ("regex", "a(b", "not a valid regex"),
     ("grammar", 'root ::= "a" |', "not a valid grammar"),
     ("choice", [], "non-empty list"),
+    # a language with no text in it: every token would be outside the grammar (200, "abort")
+    ("regex", r"[^\s\S]", "matches no text at all"),
+    ("grammar", "root ::= [^\\x00-\\U0010FFFF]", "matches no text at all"),
     # what xgrammar would answer with output that does not validate: refused
     ("json", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
     ("json", {"type": "array", "contains": {"const": 1}}, "'contains'"),
