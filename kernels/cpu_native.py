@@ -30,12 +30,11 @@ import logging
 import time
 from functools import cache
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from kernels.backend import KernelOps
-from kernels.env import env_choice
+from kernels.env import KERNELS_ENV, CpuKernels, env_choice
 from kernels.out_arg import written
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.rms_norm import rms_norm_torch
@@ -43,8 +42,6 @@ from kernels.sampling import apply_token_bitmask_torch, argmax_torch, lse_and_ra
 
 log = logging.getLogger(__name__)
 
-CpuKernels = Literal["auto", "native", "torch"]
-KERNELS_ENV = "FLAGSERVE_CPU_KERNELS"
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("cpu_*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("cpu_*.h"))  # in the build key too
 CACHE = Path.home() / ".cache" / "flagserve" / "cpu-kernels"

@@ -5,6 +5,28 @@ from typing import Any, Literal, get_args
 
 Switch = Literal["on", "off"]  # a setting that is on or off
 
+# The CPU engine's settings read from the environment, each with its choices: read where they
+# apply (README, CPU), and all checked by `action=plan` when experiment.envs sets them.
+KERNELS_ENV = "FLAGSERVE_CPU_KERNELS"
+CpuKernels = Literal["auto", "native", "torch"]
+MATMUL_ENV = "FLAGSERVE_CPU_MATMUL"
+CpuMatmul = Literal["auto", "aten", "native", "onednn"]
+WEIGHTS_ENV = "FLAGSERVE_CPU_WEIGHTS"
+CpuWeights = Literal["auto", "float32"]
+COMPILE_ENV = "FLAGSERVE_CPU_COMPILE"
+CpuCompile = Literal["off", "ops"]
+GREEDY_HEAD_ENV = "FLAGSERVE_CPU_GREEDY_HEAD"
+Approximation = Literal["bf16", "int8"]
+GreedyHeadMode = Literal["auto", Approximation, "off"]
+NATIVE_LAYERS_ENV = "FLAGSERVE_CPU_NATIVE_LAYERS"
+TUNING_ENV = "FLAGSERVE_CPU_THREAD_TUNING"
+PRELOAD_ENV = "FLAGSERVE_CPU_PRELOAD"
+Preload = Literal["on", "off", "1", "0"]
+SETTINGS: dict[str, Any] = {
+    KERNELS_ENV: CpuKernels, MATMUL_ENV: CpuMatmul, WEIGHTS_ENV: CpuWeights,
+    COMPILE_ENV: CpuCompile, GREEDY_HEAD_ENV: GreedyHeadMode, NATIVE_LAYERS_ENV: Switch,
+    TUNING_ENV: Switch, PRELOAD_ENV: Preload}
+
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "on", "yes")

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
+from typing import Any, get_args
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
@@ -30,8 +31,10 @@ from flagserve.config.topology import (
     uses_gpu,
 )
 from flagserve.config.validate_disaggregation import check_disaggregation
+from flagserve.engine.cpu_runtime import BIND_ENV, parse_cpu_list
 from flagserve.models.architectures import GGUF_ARCHITECTURES, HF_ARCHITECTURES
 from flagserve.models.config import ModelConfig, load_model_config, model_format
+from kernels.env import SETTINGS
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 HOST_FIX = "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"  # deploy.host's values
@@ -64,6 +67,7 @@ def validate_experiment(config: Config) -> None:
         raise ConfigError("experiment.runner.deploy.ingress_replicas",
                           f"must be >= 1, got {deploy.ingress_replicas}", "e.g. 1")
     _check_limits(deploy.limits)
+    _check_engine_envs(exp.envs)
     runner = exp.runner
     for key, port in (("ssh_port", runner.ssh_port), ("ray_port", runner.ray_port)):
         if not 1 <= port <= 65535:
@@ -104,6 +108,23 @@ def _check_ray_port(port: int, http_port: int) -> None:
     raise ConfigError("experiment.runner.ray_port", f"{port} {why}",
                       "use 6379 (the default) or another free port outside 10001-19999 "
                       "(and not 8265 or 52365)")
+
+
+def _check_engine_envs(envs: dict[str, Any]) -> None:
+    """The engine's settings in experiment.envs, checked as the engine will read them (a bad
+    one would fail the engine's start under `run`, after the model loads)."""
+    for name, value in envs.items():
+        text = ("1" if value else "0") if isinstance(value, bool) else str(value)  # as exported
+        if name in SETTINGS and text not in (choices := get_args(SETTINGS[name])):
+            quote = " (YAML reads a bare on/off as a boolean: quote it)" if isinstance(value, bool) \
+                else ""
+            raise ConfigError(f"experiment.envs.{name}", f"must be one of {', '.join(choices)}, "
+                              f"got {text!r}{quote}", f"set experiment.envs.{name}={choices[0]}")
+        if name == BIND_ENV and text not in ("auto", "off", ""):
+            try:
+                parse_cpu_list(text)
+            except ValueError as err:
+                raise ConfigError(f"experiment.envs.{name}", str(err), "e.g. 0-1, or auto") from None
 
 
 def _check_limits(limits: ApiLimits) -> None:

@@ -26,17 +26,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import nn
 
 from kernels import KernelOps
-from kernels.env import env_choice
+from kernels.env import COMPILE_ENV, CpuCompile, env_choice
 
 log = logging.getLogger(__name__)
-CpuCompile = Literal["off", "ops"]
-COMPILE_ENV = "FLAGSERVE_CPU_COMPILE"
 COMPILED_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
 CACHE_DIR = Path.home() / ".cache" / "flagserve" / "inductor"
 

@@ -20,9 +20,8 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-from kernels.env import env_choice
+from kernels.env import PRELOAD_ENV, Preload, env_choice
 
 BIND_ENV = "FLAGSERVE_CPU_BIND"
 # How OpenMP threads wait at a barrier (one per op). GNU OpenMP spins ~300k iterations
@@ -136,8 +135,6 @@ def replica_cpus(host_cpus: int, engine_replicas: int) -> float:
 # compare_vllm's FlagServe worker gets it in its environment. Missing, it is skipped silently;
 # FLAGSERVE_CPU_PRELOAD=off (or 0) turns it off. Intel OpenMP is not preloaded for FlagServe: on top
 # of tcmalloc it measured 3-17% slower than torch's own GNU OpenMP (docs/performance.md, CPU).
-PRELOAD_ENV = "FLAGSERVE_CPU_PRELOAD"
-Preload = Literal["on", "off", "1", "0"]
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 

@@ -34,11 +34,10 @@ import logging
 import statistics
 from collections.abc import Callable
 
-from kernels.env import Switch, env_choice
+from kernels.env import TUNING_ENV, Switch, env_choice
 
 log = logging.getLogger(__name__)
 
-TUNING_ENV = "FLAGSERVE_CPU_THREAD_TUNING"
 
 
 def tuning_enabled(num_threads: int, env: dict[str, str] | None = None) -> bool:

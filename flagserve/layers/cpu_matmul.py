@@ -42,12 +42,8 @@ import torch
 
 from flagserve.layers.cpu_quantized import all_float16, packed_blocks, row_parts
 from kernels import cpu_native
-from kernels.env import env_choice
+from kernels.env import MATMUL_ENV, WEIGHTS_ENV, CpuMatmul, CpuWeights, env_choice
 
-CpuMatmul = Literal["auto", "aten", "native", "onednn"]
-MATMUL_ENV = "FLAGSERVE_CPU_MATMUL"
-CpuWeights = Literal["auto", "float32"]
-WEIGHTS_ENV = "FLAGSERVE_CPU_WEIGHTS"
 # oneDNN picks its blocking for the row count it is told to expect; decode batches and the
 # LM head's sampled rows are in the tens (measured: docs/performance.md, CPU).
 BATCH_HINT = 64

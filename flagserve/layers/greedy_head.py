@@ -22,19 +22,16 @@ FLAGSERVE_CPU_GREEDY_HEAD:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from flagserve.layers.cpu_matmul import PackedWeight, bf16_supported, pack_weight
 from kernels import cpu_native
-from kernels.env import env_choice
+from kernels.env import GREEDY_HEAD_ENV, Approximation, GreedyHeadMode, env_choice
 from kernels.sampling import apply_token_bitmask_torch
 
-Approximation = Literal["bf16", "int8"]
-GreedyHeadMode = Literal["auto", Approximation, "off"]
-GREEDY_HEAD_ENV = "FLAGSERVE_CPU_GREEDY_HEAD"
 AUTO_MIN_WEIGHTS = 16 << 20  # SmolLM2's head: 28M
 
 

@@ -15,9 +15,8 @@ from torch import nn
 from flagserve.layers.attention_metadata import AttentionMetadata
 from flagserve.layers.cpu_matmul import FEW_ROWS
 from kernels import cpu_native
-from kernels.env import Switch, env_choice
+from kernels.env import NATIVE_LAYERS_ENV, Switch, env_choice
 
-NATIVE_LAYERS_ENV = "FLAGSERVE_CPU_NATIVE_LAYERS"
 NATIVE_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_store_kvcache",
               "paged_decode_attention", "paged_prefill_attention")
 

@@ -15,6 +15,7 @@ import struct
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.schema import LLMModule
@@ -23,6 +24,7 @@ from flagserve.engine.kv_budget import capacity_blocks, kv_budget_bytes
 from flagserve.models.config import DTYPE_BYTES, ModelConfig, auto_dtype, load_model_config
 from flagserve.models.gguf import gguf_cpu_block_bytes, gguf_param_count
 from flagserve.models.weight_shapes import expected_shape
+from kernels.env import KERNELS_ENV, MATMUL_ENV, WEIGHTS_ENV
 
 ASSUMED_GPU_GIB = 80.0
 
@@ -80,7 +82,17 @@ def gpu_memory_bytes() -> int | None:
         return None
 
 
-def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
+def keeps_gguf_blocks(envs: dict[str, Any]) -> bool:
+    """Whether a float32 CPU engine with these experiment.envs keeps a GGUF file's Q4_1/Q8_0
+    blocks beside the float32 weights: the native matmul with `auto` weights does
+    (layers/cpu_matmul.py pack_weight)."""
+    get = {k: str(v) for k, v in envs.items()}.get
+    return (get(WEIGHTS_ENV, "auto") == "auto" and get(MATMUL_ENV, "auto") in ("auto", "native")
+            and get(KERNELS_ENV, "auto") != "torch")
+
+
+def estimate(module_id: str, module: LLMModule, gpu: bool,
+             envs: dict[str, Any] | None = None) -> MemoryEstimate:
     args = engine_args_for(module)
     try:
         cfg = load_model_config(args.model)
@@ -97,7 +109,8 @@ def estimate(module_id: str, module: LLMModule, gpu: bool) -> MemoryEstimate:
                           "point it at a complete checkpoint whose config.json matches its "
                           "weights (a download cut short, or files of two models?)") from None
     weights = params * elem // (tp * pp)
-    if not gpu and cfg.checkpoint_format == "gguf" and dtype == "float32":
+    if not gpu and cfg.checkpoint_format == "gguf" and dtype == "float32" \
+            and keeps_gguf_blocks(envs or {}):
         weights += gguf_cpu_block_bytes(args.model) // (tp * pp)
     kv_heads = max(1, cfg.num_key_value_heads // tp)
     kv_per_token = 2 * math.ceil(cfg.num_hidden_layers / pp) * kv_heads * cfg.head_dim * elem

@@ -355,6 +355,28 @@ def test_the_default_graph_serves_smollm2(capsys):
     assert "LlamaForCausalLM, float32, 135M parameters" in out
 
 
+def test_the_plan_counts_gguf_blocks_only_where_the_engine_keeps_them(capsys):
+    def weights(*overrides):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            assert execute(compose("serve", overrides=["action=plan", *overrides])) == 0
+        out, _ = capsys.readouterr()
+        return next(line for line in out.splitlines() if line.strip().startswith("weights"))
+    default = weights()
+    assert weights("+experiment.envs.FLAGSERVE_CPU_WEIGHTS=float32") != default
+    assert weights("+experiment.envs.FLAGSERVE_CPU_MATMUL=aten") \
+        == weights("+experiment.envs.FLAGSERVE_CPU_WEIGHTS=float32")
+
+
+@pytest.mark.parametrize("name,value,words", [
+    ("FLAGSERVE_CPU_MATMUL", "mkl", "must be one of auto, aten, native, onednn, got 'mkl'"),
+    ("FLAGSERVE_CPU_NATIVE_LAYERS", "false", "YAML reads a bare on/off as a boolean"),
+    ("FLAGSERVE_CPU_BIND", "abc", "FLAGSERVE_CPU_BIND must be auto, off or cores"),
+])
+def test_engine_settings_in_envs_are_checked_at_plan(capsys, name, value, words):
+    code, _, err = run(capsys, f"+experiment.envs.{name}={value}")
+    assert code == EXIT_CONFIG and f"`experiment.envs.{name}`" in err and words in err, err
+
+
 @pytest.mark.usefixtures("llama_path")  # the built-in tiny model exists: nothing to build
 def test_commands_resolve_the_config_without_importing_torch(tmp_path):
     """Every run.py command composes and resolves the config (the built-in tiny model's path
