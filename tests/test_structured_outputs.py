@@ -141,6 +141,8 @@ def test_keywords_as_property_names_and_metadata_beside_refs_are_fine():
                              "where": {"$ref": "#/$defs/Loc", "description": "a city"}},
               "required": ["not", "if", "where"]}
     StructuredOutputsParams(json=schema)
+    # enforced by xgrammar (its grammar names the pattern): not refused
+    StructuredOutputsParams(json={"type": "object", "patternProperties": {"^x": {"type": "integer"}}})
 
 
 def test_params_pickle_for_the_engine_process():

@@ -94,9 +94,10 @@ MAX_SCHEMA_DEPTH = 64
 # Keywords xgrammar 0.2.8 does not enforce: a schema holding one would be answered with output
 # that does not validate, against "the grammar is the schema". Refused, as vLLM's xgrammar
 # backend refuses them.
+# (patternProperties it does enforce; unevaluated* hold anyway: strict, it writes no property
+# or item the schema does not name)
 UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxContains",
-              "dependentSchemas", "dependentRequired", "patternProperties", "propertyNames",
-              "unevaluatedItems", "unevaluatedProperties")
+              "dependentSchemas", "dependentRequired", "propertyNames")
 # Where a schema holds subschemas: one, a list of them, a mapping of them
 SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else",
              "contains", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
