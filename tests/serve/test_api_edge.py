@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -257,6 +258,51 @@ def test_oversized_headers_are_refused(server):
     answer, sent = exchange(server.url, head()[:-4] + b"\r\nX-Big: ", [b"a" * 4096] * 2048, pause=0.001)
     assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
     assert sent < 2**20
+    assert server.alive()
+
+
+def raw(server: Server, text: str) -> bytes:
+    answer, _ = exchange(server.url, text.replace("\n", "\r\n").encode())
+    return answer
+
+
+def test_absolute_form_targets_are_their_paths(server):
+    """RFC 9112 has servers accept `GET http://host/path`: h11 passed the whole URL on as
+    the path, so /health needed the key and /v1/models was no route."""
+    assert raw(server, "GET http://x/health HTTP/1.1\nHost: x\nConnection: close\n\n") \
+        .startswith(b"HTTP/1.1 200")
+    answer = raw(server, f"GET http://x/v1/models HTTP/1.1\nHost: x\nAuthorization: Bearer {KEY}"
+                         "\nConnection: close\n\n")
+    assert answer.startswith(b"HTTP/1.1 200") and b'"id":"tiny"' in answer, answer[:300]
+    assert raw(server, "GET http://x/v1/models HTTP/1.1\nHost: x\nConnection: close\n\n") \
+        .startswith(b"HTTP/1.1 401")
+
+
+def test_the_bearer_scheme_is_case_free_the_key_is_not(server):
+    for scheme in ("bearer", "BEARER"):
+        r = requests.get(server.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"},
+                         timeout=10)
+        assert r.status_code == 200, r.text
+    r = requests.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY.upper()}"},
+                     timeout=10)
+    assert_openai_error(r, 401, None)
+
+
+def test_a_compressed_body_is_refused_by_name(server):
+    r = server.post("/v1/completions", {"prompt": "Hello", "max_tokens": 2},
+                    headers={"Content-Encoding": "gzip"})
+    error = assert_openai_error(r, 415, None)
+    assert "Content-Encoding 'gzip'" in error["message"]
+
+
+def test_a_client_leaving_mid_body_is_no_server_error(server, caplog):
+    """It logged two ERROR tracebacks (the app's and uvicorn's) and answered a 500 nobody read."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head("Content-Length: 100") + b'{"prompt": ')
+        time.sleep(0.2)
+    time.sleep(0.5)  # the replica notices the disconnect
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert server.alive()
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from flagserve.engine.core.loop import EngineDeadError
 from flagserve.entrypoints.openai.auth import ApiKeyMiddleware
@@ -46,8 +47,26 @@ def build_api(ingress: Any) -> FastAPI:
     limits = ingress.limits
     app.add_middleware(SizeLimitMiddleware, max_body_bytes=limits.max_body_bytes,
                        max_header_bytes=limits.max_header_bytes)
-    app.add_middleware(ApiKeyMiddleware, api_key=ingress.api_key)  # added last: runs first
+    app.add_middleware(ApiKeyMiddleware, api_key=ingress.api_key)
+    app.add_middleware(OriginFormMiddleware)  # added last: runs first
     return app
+
+
+class OriginFormMiddleware:
+    """A request target in absolute form (`GET http://host/health`, which RFC 9112 has
+    servers accept) as its path: h11 hands the whole URL on, and the key check and routing
+    compare paths."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(("http://", "https://")):
+            path = "/" + scope["path"].split("://", 1)[1].partition("/")[2]
+            raw = scope.get("raw_path") or b""
+            raw = b"/" + raw.split(b"://", 1)[1].partition(b"/")[2] if b"://" in raw else raw
+            scope = {**scope, "path": path, "raw_path": raw}
+        await self.app(scope, receive, send)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -61,6 +80,13 @@ def _add_error_handlers(app: FastAPI) -> None:
                    405: f"{request.method} is not allowed on {request.url.path}"}
         return OpenAIError(err.status_code, message.get(err.status_code, str(err.detail))).response(
             err.headers)  # 405's Allow
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, _: ClientDisconnect) -> Response:
+        # while its body was read (it stalled past http_server.BODY_IDLE_S, or went away):
+        # nobody reads an answer, and it is no server error to log with a traceback
+        log.info("client left during %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, err: EngineDeadError) -> Response:

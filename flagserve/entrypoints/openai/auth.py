@@ -18,7 +18,7 @@ OPEN_PATHS = frozenset({"/health"})  # load balancers and `run` probe it without
 class ApiKeyMiddleware:
     def __init__(self, app: Any, api_key: str | None):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if (self.expected is not None and scope["type"] == "http"
@@ -30,4 +30,6 @@ class ApiKeyMiddleware:
 
     def _authorized(self, scope: dict) -> bool:
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return hmac.compare_digest(given, self.expected)
+        scheme, _, token = given.partition(b" ")
+        # the scheme's case is free (RFC 9110), the key's is not
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.expected)

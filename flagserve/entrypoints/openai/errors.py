@@ -13,6 +13,7 @@ class OpenAIError(Exception):
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
              405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+             415: "UnsupportedMediaTypeError",
              431: "RequestHeaderFieldsTooLargeError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 

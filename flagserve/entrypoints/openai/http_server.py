@@ -19,10 +19,68 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 5.0
+# A request's line and headers must arrive whole within HEAD_TIMEOUT_S of its first byte (of
+# the connection, for its first request), and its body may pause at most BODY_IDLE_S between
+# reads (nginx's client_header_timeout and client_body_timeout): uvicorn bounds neither, and
+# a client that never finishes a request held its connection for good (a slow-header client
+# needs no API key, and 20,000 of them took every descriptor, /health's too).
+HEAD_TIMEOUT_S = 30.0
+BODY_IDLE_S = 30.0
+
+
+class _DeadlineH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the read deadlines above; past one the connection closes
+    (the app sees a disconnect)."""
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._reading_body = False
+        self._watch(arrived=False)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch(arrived=True)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch(arrived=False)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _watch(self, arrived: bool) -> None:
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            if arrived or not self._reading_body:  # each read restarts the body's clock
+                self._arm(BODY_IDLE_S, body=True)
+        elif state is h11.IDLE and (self.cycle is None or self.conn.trailing_data[0]):
+            if self._deadline is None:  # a request begun (or awaited on a new connection)
+                self._arm(HEAD_TIMEOUT_S, body=False)
+        else:  # read whole, or idle between requests (uvicorn's keep-alive timeout then)
+            self._disarm()
+
+    def _arm(self, seconds: float, body: bool) -> None:
+        self._disarm()
+        self._reading_body = body
+        self._deadline = self.loop.call_later(seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -50,7 +108,8 @@ class DirectHTTPServer:
     def start(self, app: Any) -> None:
         """Serve `app` on the running event loop (the replica's)."""
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
-                                log_level="warning", timeout_keep_alive=30, http="h11",
+                                log_level="warning", timeout_keep_alive=30,
+                                http=_DeadlineH11Protocol,
                                 h11_max_incomplete_event_size=self.max_header_bytes)
         self.server = _Server(config)
         # Listen now, not when the serve task first runs: the replica reports ready when this

@@ -1,5 +1,5 @@
 """deploy.limits.max_body_bytes and max_header_bytes, as ASGI middleware: HTTP 413 and 431
-in OpenAI's shape.
+in OpenAI's shape (and 415 for a compressed body: Content-Encoding other than identity).
 
 A body that declares its size (Content-Length) is refused before a byte of it is read; a
 chunked one as soon as what has arrived passes the limit. Nothing past the limit is held in
@@ -53,6 +53,11 @@ class SizeLimitMiddleware:
         if size > self.max_header:
             return OpenAIError(431, f"the request line and headers are larger than {self.max_header} "
                                f"bytes ({KEYS}.max_header_bytes)")
+        encoding = next((v for k, v in scope["headers"] if k == b"content-encoding"), b"identity")
+        if encoding.strip().lower() != b"identity":  # read as plain JSON, it was refused as
+            # invalid UTF-8, and a plain body so labelled was served as if the label were absent
+            return OpenAIError(415, f"Content-Encoding {encoding.decode(errors='replace')!r} "
+                               "is not supported: send the body uncompressed")
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
         # The HTTP server has checked it is digits; more than 18 of them is past any limit.
         if declared.isdigit() and (len(declared) > 18 or int(declared) > self.max_body):
