@@ -132,15 +132,18 @@ class EngineMetrics:
             seen.last_token_time = now
         if seen is not None:
             seen.tokens += new_tokens
+        # Each sequence once, in the (DELTA) output that carries its end: one that ended in an
+        # earlier step is not in the request's last output.
+        for c in out.outputs:
+            if c.finish_reason is not None:
+                reason = str(c.finish_reason)  # a label: the plain value
+                self._success[reason] = self._success.get(reason, 0) + 1
         if out.finished:
             self._seen.pop(out.request_id, None)
             if metrics:
                 self._hist["vllm:e2e_request_latency_seconds"].observe(now - metrics.arrival_time)
             self._hist["vllm:request_prompt_tokens"].observe(len(out.prompt_token_ids))
             self._hist["vllm:request_generation_tokens"].observe(seen.tokens if seen else 0)
-            for c in out.outputs:
-                reason = str(c.finish_reason or FinishReason.ABORT)  # a label: the plain value
-                self._success[reason] = self._success.get(reason, 0) + 1
 
     def on_handoff_received(self, handoff: RequestHandoff, now: float) -> None:
         """A decode replica has a request's KV: its TTFT split (metrics_disagg.py)."""

@@ -125,6 +125,20 @@ def test_metrics_render_vllm_names():
     assert 'vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.5' in text
 
 
+def test_every_sequence_of_an_n_request_is_counted_by_its_finish():
+    """DELTA outputs: a choice that ends early is in that step's output only, not the last."""
+    m = EngineMetrics()
+    stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
+    first = RequestOutput("r", None, [1], [CompletionOutput(0, "a", [3], None, None, "stop"),
+                                           CompletionOutput(1, "b", [4], None, None)],
+                          False, RequestMetrics(arrival_time=1.0, first_token_time=1.5))
+    last = RequestOutput("r", None, [1], [CompletionOutput(1, "c", [5], None, None, "length")],
+                         True, RequestMetrics(arrival_time=1.0, first_token_time=1.5))
+    m.on_step(StepResult([first], stats, 2.0))
+    m.on_step(StepResult([last], stats, 2.5))
+    assert m.snapshot(stats)["success"] == {"stop": 1, "length": 1}
+
+
 def test_a_stream_closed_early_is_one_abort_with_one_first_token_in_metrics():
     """The engine keeps stepping a request until the abort reaches it: those outputs are not
     a second first token, and the request leaves nothing behind in the metrics."""
