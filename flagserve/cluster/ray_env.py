@@ -48,13 +48,6 @@ def token_auth_env(token_path: str) -> dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
 
 
-def env_value(value: object) -> str:
-    """An `experiment.envs` value as an environment string (YAML booleans as 1/0)."""
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)
-
-
 def ray_temp_dir(exp_dir: str, address: str) -> str:
     """Ray's temp dir of one experiment on one host (its session, sockets and logs): short
     (Ray's unix socket paths must fit 107 bytes) and distinct per experiment and host, also

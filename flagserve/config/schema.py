@@ -150,6 +150,11 @@ class ExperimentConfig:
     cmds: CmdsConfig = field(default_factory=CmdsConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)  # action=bench
 
+    def exported_envs(self) -> dict[str, str]:
+        """`envs` as the processes get them: strings, YAML booleans as 1/0."""
+        return {k: ("1" if v else "0") if isinstance(v, bool) else str(v)
+                for k, v in self.envs.items()}
+
 
 @dataclass
 class ResourcesConfig:

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any, get_args
+from typing import get_args
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
@@ -18,6 +18,7 @@ from flagserve.config.schema import (
     PARALLEL_ARGS,
     ApiLimits,
     Config,
+    ExperimentConfig,
     LLMModule,
     ResourcesConfig,
     RouterConfig,
@@ -67,7 +68,7 @@ def validate_experiment(config: Config) -> None:
         raise ConfigError("experiment.runner.deploy.ingress_replicas",
                           f"must be >= 1, got {deploy.ingress_replicas}", "e.g. 1")
     _check_limits(deploy.limits)
-    _check_engine_envs(exp.envs)
+    _check_engine_envs(exp)
     runner = exp.runner
     for key, port in (("ssh_port", runner.ssh_port), ("ray_port", runner.ray_port)):
         if not 1 <= port <= 65535:
@@ -110,11 +111,11 @@ def _check_ray_port(port: int, http_port: int) -> None:
                       "(and not 8265 or 52365)")
 
 
-def _check_engine_envs(envs: dict[str, Any]) -> None:
+def _check_engine_envs(exp: ExperimentConfig) -> None:
     """The engine's settings in experiment.envs, checked as the engine will read them (a bad
     one would fail the engine's start under `run`, after the model loads)."""
-    for name, value in envs.items():
-        text = ("1" if value else "0") if isinstance(value, bool) else str(value)  # as exported
+    for name, text in exp.exported_envs().items():
+        value = exp.envs[name]
         if name in SETTINGS and text not in (choices := get_args(SETTINGS[name])):
             quote = " (YAML reads a bare on/off as a boolean: quote it)" if isinstance(value, bool) \
                 else ""

@@ -133,8 +133,9 @@ def replica_cpus(host_cpus: int, engine_replicas: int) -> float:
 # tcmalloc (vLLM's CPU guide recommends it with Intel OpenMP): LD_PRELOAD works only for a
 # process that starts with it, so the engine process gets it at spawn (core/process.py) and
 # compare_vllm's FlagServe worker gets it in its environment. Missing, it is skipped silently;
-# FLAGSERVE_CPU_PRELOAD=off (or 0) turns it off. Intel OpenMP is not preloaded for FlagServe: on top
-# of tcmalloc it measured 3-17% slower than torch's own GNU OpenMP (docs/performance.md, CPU).
+# FLAGSERVE_CPU_PRELOAD=off (or 0) turns it off. Intel OpenMP is not preloaded for FlagServe:
+# on top of tcmalloc it measured 3-17% slower than torch's own GNU OpenMP (docs/performance.md,
+# CPU).
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 

@@ -39,7 +39,6 @@ from kernels.env import TUNING_ENV, Switch, env_choice
 log = logging.getLogger(__name__)
 
 
-
 def tuning_enabled(num_threads: int, env: dict[str, str] | None = None) -> bool:
     return env_choice(TUNING_ENV, Switch, "on", environ=env) == "on" and num_threads > 1
 

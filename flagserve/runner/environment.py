@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flagserve.cluster.ray_env import SERVE_ENV, env_value, token_auth_env
+from flagserve.cluster.ray_env import SERVE_ENV, token_auth_env
 from flagserve.config.errors import ConfigError
 from flagserve.config.schema import Config
 
@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def hook_env(config: Config) -> dict[str, str]:
     """This environment plus `experiment.envs`: where after_stop runs (before_start's exports
     are the server's; running before_start again to get them would repeat its side effects)."""
-    return {**os.environ, **{k: env_value(v) for k, v in config.experiment.envs.items()}}
+    return {**os.environ, **config.experiment.exported_envs()}
 
 
 def server_env(config: Config, token_file: Path | None = None) -> dict[str, str]:

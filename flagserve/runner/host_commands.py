@@ -22,7 +22,6 @@ from pathlib import Path
 from flagserve.cluster.ray_env import (
     OBJECT_STORE_BYTES,
     SERVE_ENV,
-    env_value,
     ray_temp_dir,
     token_auth_env,
 )
@@ -110,7 +109,7 @@ def ray_start(config: Config, host: Host, head: Host) -> list[str]:
 def environment_args(config: Config, paths: HostPaths) -> list[str]:
     """`--env K=V ...` (experiment.envs, Ray Serve's latency settings it leaves unset, then
     Ray's token auth) and `--before-start CMD`."""
-    env = {k: env_value(v) for k, v in config.experiment.envs.items()}
+    env = config.experiment.exported_envs()
     env.update({k: v for k, v in SERVE_ENV.items() if k not in env})
     env.update(ray_env(paths))
     args = [f"--env={k}={v}" for k, v in env.items()]
@@ -157,8 +156,7 @@ def stop_host(config: Config, address: str, records: list[dict], last: bool = Tr
         args += [f"--ray-temp-dir={paths.ray_temp_dir}", f"--logs={paths.logs}"]
         args += [f"--remove={path}" for path in paths.run_files]
     if last and config.experiment.cmds.after_stop:
-        env = {k: env_value(v) for k, v in config.experiment.envs.items()}
-        args += [f"--env={k}={v}" for k, v in env.items()]
+        args += [f"--env={k}={v}" for k, v in config.experiment.exported_envs().items()]
         args += [f"--after-stop={config.experiment.cmds.after_stop}"]
     return agent(config, "stop", *args)
 

@@ -15,7 +15,6 @@ import struct
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.schema import LLMModule
@@ -82,17 +81,17 @@ def gpu_memory_bytes() -> int | None:
         return None
 
 
-def keeps_gguf_blocks(envs: dict[str, Any]) -> bool:
-    """Whether a float32 CPU engine with these experiment.envs keeps a GGUF file's Q4_1/Q8_0
-    blocks beside the float32 weights: the native matmul with `auto` weights does
+def keeps_gguf_blocks(envs: dict[str, str]) -> bool:
+    """Whether a float32 CPU engine with these (exported) experiment.envs keeps a GGUF file's
+    Q4_1/Q8_0 blocks beside the float32 weights: the native matmul with `auto` weights does
     (layers/cpu_matmul.py pack_weight)."""
-    get = {k: str(v) for k, v in envs.items()}.get
-    return (get(WEIGHTS_ENV, "auto") == "auto" and get(MATMUL_ENV, "auto") in ("auto", "native")
-            and get(KERNELS_ENV, "auto") != "torch")
+    return (envs.get(WEIGHTS_ENV, "auto") == "auto"
+            and envs.get(MATMUL_ENV, "auto") in ("auto", "native")
+            and envs.get(KERNELS_ENV, "auto") != "torch")
 
 
 def estimate(module_id: str, module: LLMModule, gpu: bool,
-             envs: dict[str, Any] | None = None) -> MemoryEstimate:
+             envs: dict[str, str] | None = None) -> MemoryEstimate:
     args = engine_args_for(module)
     try:
         cfg = load_model_config(args.model)

@@ -65,7 +65,7 @@ def print_plan(deployment: Deployment) -> None:
             print(f"  {mid + '-tokenizer':<24} {_replicas(m.tokenizer):<18} any host (CPU)")
     _print_engines(config, hosts, local)
     for group in engine_groups(config):
-        _print_memory(group, uses_gpu(group.module, hosts), config.experiment.envs)
+        _print_memory(group, uses_gpu(group.module, hosts), config.experiment.exported_envs())
 
 
 def _print_engines(config: Config, hosts: list[Host], local: str | None) -> None:
@@ -100,7 +100,7 @@ def _kv_mode(module: LLMModule, hosts: list[Host]) -> str:
     return f"{mode} (engine to engine)"
 
 
-def _print_memory(group: EngineGroup, gpu: bool, envs: dict) -> None:
+def _print_memory(group: EngineGroup, gpu: bool, envs: dict[str, str]) -> None:
     est = estimate(group.module_id, group.module, gpu, envs)
     args = f"serve.{group.module_id}" + (f".disaggregation.{group.role}" if group.role else "")
     print(f"memory per device of {group.name} ({est.model.architecture}, {est.dtype}, "
