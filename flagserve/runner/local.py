@@ -88,14 +88,14 @@ class LocalDeployment(Deployment):
         url = self.endpoint
         if not http.wait_healthy(url, self.config.deploy.startup_timeout_s,
                                  lambda: proc.poll() is None, self.progress.show):
-            timeout = self.config.deploy.startup_timeout_s
-            why = (f"did not become healthy within {timeout:g} s "
-                   f"(experiment.runner.deploy.startup_timeout_s)" if proc.poll() is None
-                   else f"exited with {proc.returncode} before it became healthy")
             if proc.poll() is not None and self._stopped_meanwhile():
                 print(f"{self.config.experiment.exp_name} was stopped (action=stop) before it "
                       "became healthy", file=sys.stderr)
                 return 1
+            timeout = self.config.deploy.startup_timeout_s
+            why = (f"did not become healthy within {timeout:g} s "
+                   f"(experiment.runner.deploy.startup_timeout_s)" if proc.poll() is None
+                   else f"exited with {proc.returncode} before it became healthy")
             print(f"{self.config.experiment.exp_name} {why} at {url}/health", file=sys.stderr)
             print(tail(log, LOG_LINES, record.log_offset), file=sys.stderr)
             terminate(record, grace_s=10.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +102,7 @@ class EngineMetrics:
         self._hist = {name: Histogram(bounds) for name, (_, bounds) in HISTOGRAMS.items()}
         if role is not None:
             self._hist.update({name: Histogram(TTFT_SPLIT_BUCKETS) for name in TTFT_SPLIT})
-        self._success: dict[str, int] = {}
+        self._success: Counter[str] = Counter()  # by finished_reason
         self._seen: dict[str, _Seen] = {}
 
     def on_step(self, result: StepResult) -> None:
@@ -110,10 +111,9 @@ class EngineMetrics:
                 self._observe(out, result.time)
             # Reported by the engine with the step that applied the abort, after the last
             # output of the request: counted once, and its _seen entry goes with it.
-            abort = str(FinishReason.ABORT)
             for request_id in result.aborted:
                 self._seen.pop(request_id, None)
-                self._success[abort] = self._success.get(abort, 0) + 1
+                self._success[str(FinishReason.ABORT)] += 1
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         new_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -136,8 +136,7 @@ class EngineMetrics:
         # earlier step is not in the request's last output.
         for c in out.outputs:
             if c.finish_reason is not None:
-                reason = str(c.finish_reason)  # a label: the plain value
-                self._success[reason] = self._success.get(reason, 0) + 1
+                self._success[str(c.finish_reason)] += 1  # a label: the plain value
         if out.finished:
             self._seen.pop(out.request_id, None)
             if metrics:
