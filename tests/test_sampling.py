@@ -200,6 +200,10 @@ def test_logit_bias_past_the_vocabulary_is_refused(llm):
     # a flag the detokenizer read as a bool failed the step of every request in the batch
     ("skip_special_tokens", None), ("skip_special_tokens", "no"), ("ignore_eos", 1),
     ("include_stop_str_in_output", "yes"), ("output_kind", 3),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", 5),
+    ("bad_words", [""]), ("bad_words", ["  "]), ("bad_words", "word"), ("bad_words", [3]),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 1.5),
+    ("truncation_side", "middle"),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from flagserve.engine.bad_words import bad_words_token_ids
 from flagserve.engine.block_manager import BlockManager
 from flagserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from flagserve.engine.engine_args import EngineArgs
@@ -135,8 +136,12 @@ class LLMEngine:
         # (a seed torch cannot hold, a token id past the logits) would fail the whole batch's
         # step and kill the engine; here it fails this request only.
         params.validate()
-        params.check_vocab(self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        params.check_vocab(vocab)
+        params.bad_words_token_ids = (bad_words_token_ids(self.tokenizer, params.bad_words, vocab)
+                                      if params.bad_words else None)
         text, ids = self._tokenize(prompt)
+        ids = params.truncated(ids, self.max_model_len)
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:

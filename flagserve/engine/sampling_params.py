@@ -9,6 +9,7 @@ were mutated or unpickled (the engine process receives them pickled) skip __post
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from flagserve.engine.structured_outputs.params import StructuredOutputsParams
 
@@ -18,6 +19,9 @@ FLOAT32_MAX = 3.4028234663852886e38  # past it the sampler's float32 tensors hol
 FLOAT32_TINY = 1.1754943508222875e-38  # below it a float32 divisor is (nearly) zero
 MAX_N = 1024  # every sample is a sequence the engine allocates at once (deploy.limits.max_n is lower)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values, either sign
+# bad_words: token sequences per request and their tokens in all, checked at every step
+# (vLLM's VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS)
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -29,6 +33,12 @@ class RequestOutputKind(enum.Enum):
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name} {message}")
+
+
+def _short(value: object) -> str:
+    """A value for a message, cut: lists of token ids may be long."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def is_int(value: object, low: int = 0, high: int = INT32_MAX) -> bool:
@@ -72,7 +82,19 @@ class SamplingParams:
     # token id -> a number added to its logit before penalties and sampling (OpenAI's
     # logit_bias: +-100 all but forces or bans it). Logprobs stay the model's own.
     logit_bias: dict[int, float] | None = None
+    # vLLM's: sample only among these token ids (logprobs stay the model's own)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated. Each is tokenized as it stands and with a leading space
+    # (a word mid-text); the last token of such a sequence is banned wherever the tokens
+    # before it end the output so far (bad_words.py).
+    bad_words: list[str] | None = None
+    # vLLM's: keep only this many prompt tokens (-1: as many as leave room for one output
+    # token), cut from `truncation_side` ("left" keeps the last ones, as vLLM's generate).
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] = "left"
     stop_list: list[str] = field(init=False, repr=False)
+    # bad_words as token sequences: set by the engine, which holds the tokenizer
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +105,7 @@ class SamplingParams:
         self._check_lengths()
         self._check_flags()
         self._check_stops()
+        self._check_vocabulary_limits()
         if self.structured_outputs is not None:
             _require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                      f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
@@ -120,6 +143,19 @@ class SamplingParams:
             _require(False, "logit_bias", f"must map token ids in [0, {INT32_MAX}] to numbers in "
                      f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad[0]!r}: {bad[1]!r}")
 
+    def _check_vocabulary_limits(self) -> None:
+        allowed = self.allowed_token_ids
+        _require(allowed is None or (isinstance(allowed, (list, tuple)) and len(allowed) > 0
+                                     and all(map(is_int, allowed))), "allowed_token_ids",
+                 f"must be None or a non-empty list of token ids in [0, {INT32_MAX}], "
+                 f"got {_short(allowed)}")
+        words = self.bad_words
+        _require(words is None or (isinstance(words, (list, tuple))
+                                   and len(words) <= MAX_BAD_WORDS
+                                   and all(isinstance(w, str) and w.strip() for w in words)),
+                 "bad_words", f"must be None or a list of at most {MAX_BAD_WORDS} words (non-blank "
+                 f"strings), got {_short(words)}")
+
     def _check_lengths(self) -> None:
         _require(self.max_tokens is None or is_int(self.max_tokens, 1), "max_tokens",
                  f"must be None or an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
@@ -131,6 +167,12 @@ class SamplingParams:
             value = getattr(self, name)
             _require(value is None or is_int(value), name,
                      f"must be None or an integer in [0, {INT32_MAX}], got {value!r}")
+        keep = self.truncate_prompt_tokens
+        _require(keep is None or keep == -1 or is_int(keep, 1), "truncate_prompt_tokens",
+                 f"must be None, -1 (the context window) or an integer in [1, {INT32_MAX}], "
+                 f"got {keep!r}")
+        _require(self.truncation_side in ("left", "right"), "truncation_side",
+                 f"must be 'left' or 'right', got {self.truncation_side!r}")
 
     def _check_flags(self) -> None:
         # Checked by type: the detokenizer takes skip_special_tokens as a bool, and a value that
@@ -166,9 +208,11 @@ class SamplingParams:
         they fail the step, and with it every request in the batch."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         _require(not bad, "stop_token_ids", f"must be < the vocabulary size {vocab_size}, got {bad[:5]}")
-        bad = [t for t in self.logit_bias or () if t >= vocab_size]
-        _require(not bad, "logit_bias", f"token ids must be < the vocabulary size {vocab_size}, "
-                 f"got {bad[:5]}")
+        for name, ids in (("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab_size]
+            _require(not bad, name, f"token ids must be < the vocabulary size {vocab_size}, "
+                     f"got {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(value is None or value <= vocab_size, name,
@@ -182,3 +226,28 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+    @property
+    def needs_output_tokens(self) -> bool:
+        """Whether the sampler reads the output so far: penalties count it, and a bad word
+        of several tokens is banned only after its first ones."""
+        return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids or ())
+
+    def check_context(self, max_model_len: int) -> None:
+        """What only the context window bounds: a truncation must leave room for output."""
+        keep = self.truncate_prompt_tokens
+        _require(keep is None or keep < max_model_len, "truncate_prompt_tokens",
+                 f"must be less than max_model_len ({max_model_len}) to leave room for output, "
+                 f"got {keep}")
+
+    def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens keeps it."""
+        self.check_context(max_model_len)
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_token_ids
+        if keep == -1:
+            keep = max_model_len - 1
+        if len(prompt_token_ids) <= keep:
+            return prompt_token_ids
+        return prompt_token_ids[-keep:] if self.truncation_side == "left" else prompt_token_ids[:keep]

@@ -42,7 +42,7 @@ class StepInput:
     # Per sequence that samples (its chunk reaches its last token), in batch order.
     sample_indices: list[int]  # index into the sequences above
     num_output_tokens: list[int]  # for min_tokens
-    output_token_ids: list[list[int]] | None  # when a sampled row has penalties
+    output_token_ids: list[list[int]] | None  # when a sampled row reads its output (penalties, bad words)
     new_seqs: list[NewSeq] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
     # Per sampled row: allowed-token bits of its grammar (all ones when unconstrained); None
@@ -75,7 +75,7 @@ class StepInputBuilder:
     """Engine side: turns a ScheduledBatch into a StepInput, remembering what runners know."""
 
     def __init__(self, async_scheduling: bool = False) -> None:
-        self._known: dict[int, bool] = {}  # seq_id -> whether it has penalties
+        self._known: dict[int, bool] = {}  # seq_id -> whether its sampling reads its output
         self._finished: list[int] = []
         self._async = async_scheduling
         self._sample_rows: dict[int, int] = {}  # seq_id -> its row among the last step's samples
@@ -84,13 +84,13 @@ class StepInputBuilder:
         step = StepInput([], [], [], [], [], [], [], None, [], self._finished)
         self._finished = []
         known, token_ids, sample_indices = self._known, step.token_ids, step.sample_indices
-        penalties = False
+        reads_output = False
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            penalized = known.get(seq.seq_id)
-            if penalized is None:
-                penalized = known[seq.seq_id] = seq.params.has_penalties
-                step.new_seqs.append(NewSeq(seq.seq_id, seq.params, seq.seed,
-                                            seq.token_ids[:seq.num_prompt_tokens] if penalized else None,
+            reads = known.get(seq.seq_id)
+            if reads is None:
+                reads = known[seq.seq_id] = seq.params.needs_output_tokens
+                prompt = seq.token_ids[:seq.num_prompt_tokens] if seq.params.has_penalties else None
+                step.new_seqs.append(NewSeq(seq.seq_id, seq.params, seq.seed, prompt,
                                             seq.generator_state))
             start = seq.num_computed_tokens
             step.seq_ids.append(seq.seq_id)
@@ -99,7 +99,7 @@ class StepInputBuilder:
             if start + n == seq.num_tokens:  # the chunk reaches its last token: it samples
                 sample_indices.append(i)
                 step.num_output_tokens.append(start + n - seq.num_prompt_tokens)
-                penalties = penalties or penalized
+                reads_output = reads_output or reads
             if seq.prompt_logprobs is not None and (rows := prompt_rows(seq, start, n, len(token_ids))):
                 step.prompt_rows.append(rows)
             if seq.num_pending and start + n > len(seq.token_ids):
@@ -109,7 +109,7 @@ class StepInputBuilder:
             else:
                 token_ids.extend(seq.token_ids[start:start + n])
         step.num_new_tokens.extend(batch.num_new_tokens)
-        if penalties:
+        if reads_output:
             step.output_token_ids = [batch.seqs[i].output_token_ids for i in sample_indices]
         if self._async:
             self._sample_rows = {step.seq_ids[i]: row for row, i in enumerate(sample_indices)}

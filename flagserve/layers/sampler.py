@@ -1,10 +1,11 @@
 """Turns the last-token logits of a batch into next tokens, per-row sampling parameters.
 
-Order as in vLLM: penalties, min_tokens and a grammar's allowed-token mask act on the
-logits, then greedy rows take the argmax; random rows apply temperature, top-k, top-p and
-min-p and draw with the exponential race (argmax of p / Exp(1) noise), whose noise comes
-from the row's own generator when the request has a seed, so its draws do not depend on what
-else is in the batch. Reported logprobs are those of the raw model distribution.
+logit_bias and penalties act on the logits, then the masks: bans (min_tokens, bad_words),
+allowed_token_ids and a grammar's allowed tokens (a -inf commutes with a bias or a penalty,
+so this is vLLM's result). Greedy rows take the argmax; random rows apply temperature, top-k,
+top-p and min-p and draw with the exponential race (argmax of p / Exp(1) noise), whose noise
+comes from the row's own generator when the request has a seed, so its draws do not depend on
+what else is in the batch. Reported logprobs are those of the raw model distribution.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,11 +30,13 @@ class SamplingBatch:
     repetition_penalties: torch.Tensor | None = None  # [N]
     output_token_ids: list[list[int]] | None = None
     prompt_token_ids: list[list[int]] | None = None
-    banned_token_ids: list[list[int]] | None = None  # per row: stop/EOS ids masked by min_tokens
+    banned_token_ids: list[list[int]] | None = None  # per row: min_tokens' stop/EOS ids, bad words
     generators: dict[int, torch.Generator] | None = None  # row -> seeded generator
     max_num_logprobs: int = -1  # -1: no row asked for logprobs; 0: only the sampled token's
     token_bitmask: torch.Tensor | None = None  # [N, ceil(vocab / 32)] int32: allowed tokens (grammars)
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
+    # allowed_token_ids: (rows, token ids) pairs and a [N] bool of the rows they restrict
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -161,20 +164,31 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Restricted rows keep only their allowed tokens' logits (out of place)."""
+    rows, token_ids, restricted = batch.allowed_token_ids
+    kept = torch.full_like(logits, float("-inf"))
+    kept[rows, token_ids] = logits[rows, token_ids]
+    return torch.where(restricted[:, None], kept, logits)
+
+
 def apply_bans_and_grammar(logits: torch.Tensor, batch: SamplingBatch,
                            apply_token_bitmask: Callable = apply_token_bitmask_torch) -> torch.Tensor:
-    """min_tokens bans, then the grammar. Where both together leave a row nothing (a grammar that
-    may only end, and EOS banned), the grammar wins: a token outside it would break the output."""
+    """Bans (min_tokens, bad words) and allowed_token_ids, then the grammar. Where together they
+    leave a row nothing (a grammar that may only end, and EOS banned), the grammar wins: a token
+    outside it would break the output."""
     before = logits
     if batch.banned_token_ids is not None:
         logits = logits.clone()
         for row, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits[row, banned] = float("-inf")
+    if batch.allowed_token_ids is not None:
+        logits = apply_allowed_token_ids(logits, batch)
     if batch.token_bitmask is None:
         return logits
     masked = apply_token_bitmask(logits, batch.token_bitmask)
-    if batch.banned_token_ids is None:
+    if batch.banned_token_ids is None and batch.allowed_token_ids is None:
         return masked
     empty = torch.isneginf(masked).all(-1, keepdim=True)
     return torch.where(empty, apply_token_bitmask(before, batch.token_bitmask), masked)
@@ -195,6 +209,7 @@ def plain_greedy(batch: SamplingBatch, grammar: bool = False) -> bool:
     no logprobs to report."""
     return (batch.all_greedy and batch.max_num_logprobs < 0 and (grammar or batch.token_bitmask is None)
             and batch.banned_token_ids is None and batch.logit_bias is None
+            and batch.allowed_token_ids is None
             and batch.repetition_penalties is None
             and batch.presence_penalties is None and batch.frequency_penalties is None)
 

@@ -57,6 +57,7 @@ def check_list_lengths(body: dict[str, Any], limits: ApiLimits, max_model_len: i
     """On the raw body, before pydantic validates every element of a list (on the event loop:
     1.4 s for the 520k chat messages a 16 MiB body holds): a prompt list longer than a batch
     and than a context window, more messages than deploy.limits.max_messages."""
+    _cut_token_prompt(body, max_model_len)
     prompt, messages = body.get("prompt"), body.get("messages")
     if isinstance(prompt, list) and len(prompt) > max(limits.max_prompts, max_model_len):
         raise OpenAIError(400, f"prompt: a list of {len(prompt)} is more prompts than this server "
@@ -66,6 +67,17 @@ def check_list_lengths(body: dict[str, Any], limits: ApiLimits, max_model_len: i
         raise OpenAIError(400, f"messages: {len(messages)} messages is more than this server allows "
                           f"({limits.max_messages}, experiment.runner.deploy.limits.max_messages)",
                           "messages")
+
+
+def _cut_token_prompt(body: dict[str, Any], max_model_len: int) -> None:
+    """A token-id prompt that truncate_prompt_tokens will cut, cut here: a list past the context
+    window is what truncation is for, and the ids it drops are never validated."""
+    prompt, keep = body.get("prompt"), body.get("truncate_prompt_tokens")
+    if not (isinstance(prompt, list) and prompt and type(prompt[0]) is int and type(keep) is int):
+        return
+    keep = max_model_len - 1 if keep == -1 else keep
+    if 0 < keep < len(prompt):
+        body["prompt"] = prompt[:keep] if body.get("truncation_side") == "right" else prompt[-keep:]
 
 
 def check_limits(req: Any, limits: ApiLimits, num_prompts: int = 1) -> None:

@@ -36,6 +36,15 @@ def error_message(err: BaseException) -> str:
     return str(cause if cause is not None else err).strip().splitlines()[-1]
 
 
+def request_error(err: BaseException) -> OpenAIError:
+    """A 400 for a request the engine or SamplingParams refused; a "SamplingParams.<field> ..."
+    message names its field."""
+    message = error_message(err)
+    head = message.split(" ", 1)[0]
+    field = head.removeprefix("SamplingParams.") if head.startswith("SamplingParams.") else None
+    return OpenAIError(400, message.removeprefix("SamplingParams."), field)
+
+
 def engine_dead_message(err: BaseException) -> str:
     return (f"the engine of this replica stopped ({error_message(err)}); Ray Serve is restarting "
             "it: retry in a few seconds")

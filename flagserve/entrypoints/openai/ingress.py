@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from flagserve.config.schema import ApiLimits
+from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.structured_outputs.params import import_grammar_library
 from flagserve.entrypoints.openai.api import build_api
 from flagserve.entrypoints.openai.body import check_text, parse_body
@@ -46,7 +47,7 @@ from flagserve.entrypoints.openai.engine_client import (
     EngineSource,
     ModelInfo,
 )
-from flagserve.entrypoints.openai.errors import OpenAIError, error_message
+from flagserve.entrypoints.openai.errors import OpenAIError, error_message, request_error
 from flagserve.entrypoints.openai.http_server import DirectHTTPServer
 from flagserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -215,18 +216,27 @@ class OpenAIIngress:
                               f"their requests go to {route.names[0]!r}", "model")
         return parsed
 
-    async def _encode_prompts(self, route: ModelRoute, prompts: list, info: ModelInfo
-                              ) -> list[list[int]]:
+    async def _encode_prompts(self, route: ModelRoute, prompts: list, info: ModelInfo,
+                              params: SamplingParams) -> tuple[list, list[list[int]]]:
+        """The prompts' token ids as truncate_prompt_tokens keeps them, and the prompts with
+        each truncated one replaced by its ids (what `echo` shows: what the model saw)."""
+        cut = params.truncate_prompt_tokens is not None
         for p in prompts:
             if isinstance(p, list):
-                check_token_ids(info, p)
+                check_token_ids(info, params.truncated(p, info.max_model_len))
         if all(isinstance(p, list) for p in prompts):
-            return prompts
-        most = info.max_model_len - 1  # prompt tokens that leave room for one more
-        try:
-            return await call_tokenizer(self.tokenizers, route, "encode_prompts", prompts, most)
-        except ValueError as err:
-            raise OpenAIError(400, error_message(err), "prompt") from None
+            ids = prompts
+        else:
+            # prompt tokens that leave room for one more; any length when it is cut
+            most = None if cut else info.max_model_len - 1
+            try:
+                ids = await call_tokenizer(self.tokenizers, route, "encode_prompts", prompts, most)
+            except ValueError as err:
+                raise OpenAIError(400, error_message(err), "prompt") from None
+        if not cut:
+            return prompts, ids
+        kept = [params.truncated(p, info.max_model_len) for p in ids]
+        return [p if len(k) == len(i) else k for p, i, k in zip(prompts, ids, kept)], kept
 
     async def _echoes(self, route: ModelRoute, prompts: list, token_ids: list[list[int]]
                       ) -> list[Echo]:
@@ -259,9 +269,13 @@ class OpenAIIngress:
         try:
             params = req.sampling_params(max_tokens, logprobs)
             params.check_vocab(info.vocab_size)
+            params.check_context(info.max_model_len)
         except ValueError as err:
-            field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
-            raise OpenAIError(400, str(err).removeprefix("SamplingParams."), field) from None
+            error = request_error(err)
+            if error.param == "max_tokens":  # named as the client sent it (chat's max_completion_tokens)
+                error.param = req.max_tokens_field
+                error.message = error.message.replace("max_tokens", error.param, 1)
+            raise error from None
         return params
 
     async def _start(self, route: ModelRoute, requests: list[EngineRequest]
@@ -275,7 +289,7 @@ class OpenAIIngress:
             first = await merged.__anext__()
         except ValueError as err:
             await merged.aclose()
-            raise OpenAIError(400, error_message(err)) from None
+            raise request_error(err) from None
         except BaseException:
             await merged.aclose()
             raise
@@ -330,8 +344,9 @@ class OpenAIIngress:
         check_completion(req)
         prompts = req.prompts()
         check_limits(req, self.limits, len(prompts))
-        self._sampling(req, req.engine_max_tokens, req.logprobs, info)  # every value, before tokenizing
-        token_ids = await self._encode_prompts(route, prompts, info)
+        # every value, before tokenizing
+        first = self._sampling(req, req.engine_max_tokens, req.logprobs, info)
+        prompts, token_ids = await self._encode_prompts(route, prompts, info, first)
         echoes = await self._echoes(route, prompts, token_ids) if req.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
         header = Header(rid, req.model or route.names[0])
@@ -353,8 +368,12 @@ class OpenAIIngress:
         req, route, info = await self._prepare(request, ChatCompletionRequest)
         top = check_chat(req)
         check_limits(req, self.limits)
-        self._sampling(req, req.requested_max_tokens, top, info)  # every value, before tokenizing
-        ids = await self._encode_chat(route, req, info.max_model_len - 1)  # room for one more
+        # every value, before tokenizing
+        first = self._sampling(req, req.requested_max_tokens, top, info)
+        # room for one more token; any length when it is cut
+        most = None if first.truncate_prompt_tokens is not None else info.max_model_len - 1
+        ids = await self._encode_chat(route, req, most)
+        ids = first.truncated(ids, info.max_model_len)
         max_tokens = check_budget(info, len(ids), req.requested_max_tokens, "messages",
                                   self.limits.max_tokens, req.max_tokens_field)
         params = self._sampling(req, max_tokens, top, info)

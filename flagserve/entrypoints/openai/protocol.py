@@ -74,6 +74,11 @@ class _Request(OutputNeutral):
     logit_bias: dict[str, StrictFloat] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM's: per prompt token, its logprob and the top-N alternatives (scoring, lm-eval)
     prompt_logprobs: StrictInt | None = None
+    # vLLM's: sample only among these ids; never these words; keep this many prompt tokens
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    truncation_side: Literal["left", "right"] = "left"
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
@@ -94,6 +99,8 @@ class _Request(OutputNeutral):
             logprobs=logprobs, prompt_logprobs=self.engine_prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.output_constraint(), logit_bias=token_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side,
             **optional)
 
     def output_constraint(self) -> StructuredOutputsParams | None:
