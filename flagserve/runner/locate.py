@@ -1,7 +1,9 @@
 """`stop` and `status` act on a run as its records describe it, whatever overrides their own
 command line carries: with the config the run was started with (exp_dir/config.yaml: its
 endpoint, API key, hooks), found under the config's exp_dir or, when there are no records
-there, through the port locks of this machine's running experiments (same exp_name)."""
+there and the command line names no exp_dir, through the port locks of this machine's running
+experiments (same exp_name). A named exp_dir is the run meant: another run of the same name
+is never stopped in its place (a typo, or a second stop of a run already gone)."""
 from __future__ import annotations
 
 import sys
@@ -15,11 +17,13 @@ from flagserve.config import ConfigError, parse_config
 from flagserve.config.schema import Config
 
 
-def recorded_config(config: Config) -> Config:
+def recorded_config(config: Config, argv: list[str] | None = None) -> Config:
     """The config of the run that `config` names (its action kept); `config` itself when no
-    run is recorded."""
+    run is recorded. `argv`: the command line's overrides (sys.argv's by default)."""
     paths = ExpPaths(Path(config.experiment.exp_dir))
-    if not paths.has_records():
+    argv = sys.argv[1:] if argv is None else argv
+    named = any(a.lstrip("+").startswith("experiment.exp_dir=") for a in argv)
+    if not paths.has_records() and not named:
         same = [o for o in owners() if o.exp_name == config.experiment.exp_name]
         if len(same) != 1:
             return config

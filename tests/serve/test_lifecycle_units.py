@@ -58,7 +58,11 @@ def test_status_and_stop_read_the_run_from_its_records(tmp_path):
     try:
         named, _ = parse_config({"action": "stop", "experiment": {
             "exp_name": "demo", "exp_dir": str(tmp_path / "elsewhere")}})
-        assert recorded_config(named).deploy.port == 9123
+        assert recorded_config(named, ["experiment.exp_name=demo"]).deploy.port == 9123
+        # an exp_dir the command line names is the run meant: never another run in its place
+        given = [f"experiment.exp_dir={tmp_path / 'elsewhere'}"]
+        assert recorded_config(named, given) is named
+        assert recorded_config(named, ["+" + given[0]]) is named
     finally:
         os.close(fd)
 
