@@ -101,7 +101,7 @@ def test_required_and_named_outputs():
     first, _ = stream_step(out, '{"a"', None)
     rest, reason = stream_step(out, ': 2}', "stop")
     assert first["tool_calls"][0]["function"] == {"name": "g", "arguments": '{"a"'}
-    assert rest["tool_calls"] == [{"index": 0, "function": {"arguments": ": 2}"}}] and reason == "tool_calls"
+    assert rest["tool_calls"] == [{"index": 0, "function": {"arguments": ": 2}"}}] and reason == "stop"
     cut = ToolOutput("required")
     short = '[{"name": "f", "argu'
     assert full_message(cut, short) == {"role": "assistant", "content": short}

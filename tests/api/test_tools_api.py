@@ -25,13 +25,14 @@ SCHEMAS = {"flag": FLAG, "pick": PICK}
 NAMED = {"type": "function", "function": {"name": "pick"}}
 
 
-def checked_calls(choice: dict) -> list[dict]:
-    """The choice's tool calls, each one's arguments parsed and valid against its function."""
+def checked_calls(choice: dict, finish: str = "tool_calls") -> list[dict]:
+    """The choice's tool calls, each one's arguments parsed and valid against its function.
+    `finish`: "stop" for a named function, the caller's choice (OpenAI's and vLLM's)."""
     calls = choice["message"]["tool_calls"]
     for call in calls:
         assert call["type"] == "function" and call["id"].startswith("call_"), call
         jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
-    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["finish_reason"] == finish, choice
     return calls
 
 
@@ -63,7 +64,19 @@ def test_required_takes_parameters_that_refer_to_their_own_defs(url):
 
 def test_a_named_function_is_the_call(url):
     r = chat(url, tools=TOOLS, tool_choice=NAMED)
-    assert [c["function"]["name"] for c in checked_calls(r.json()["choices"][0])] == ["pick"]
+    assert [c["function"]["name"] for c in checked_calls(r.json()["choices"][0], "stop")] == ["pick"]
+
+
+def test_empty_parameters_take_an_object(url):
+    """`{}` admits any JSON value: a call's arguments are an object all the same (vLLM's and
+    OpenAI's reading). Sampled, several choices."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        r = chat(url, tools=tools, tool_choice=choice, n=4, temperature=1.0, seed=7, max_tokens=40)
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            for call in c["message"].get("tool_calls") or []:
+                assert isinstance(json.loads(call["function"]["arguments"]), dict), call
 
 
 def test_none_answers_in_text(url):
@@ -84,7 +97,7 @@ def test_streamed_named_call_arrives_in_pieces_that_join(url):
     assert pieces[0]["id"].startswith("call_") and pieces[0]["function"]["name"] == "pick"
     assert {p["index"] for p in pieces} == {0} and all("id" not in p for p in pieces[1:])
     jsonschema.validate(json.loads("".join(p["function"]["arguments"] for p in pieces)), PICK)
-    assert [c[0]["finish_reason"] for c in events(r) if c][-1] == "tool_calls"
+    assert [c[0]["finish_reason"] for c in events(r) if c][-1] == "stop"
 
 
 def test_streamed_choices_end_once_with_their_own_calls(url):
@@ -152,6 +165,8 @@ def test_the_follow_up_turn_is_accepted_and_rendered(url):
       "tool_choice": "required"}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}]},
      "tools"),  # auto: the model may call it, and the client parses by that schema
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools"),  # arguments are an object (OpenAI's rule)
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tools_are_400_naming_the_field(url, body, param):

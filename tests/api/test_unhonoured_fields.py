@@ -81,6 +81,30 @@ def test_output_neutral_fields_are_accepted(request_, extra):
     parse_request(model, {**base, **extra})
 
 
+NULLS = {"n": None, "presence_penalty": None, "frequency_penalty": None, "stream": None,
+         "ignore_eos": None, "skip_special_tokens": None, "min_tokens": None,
+         "stream_options": {"include_usage": True, "include_obfuscation": None}}
+
+
+@pytest.mark.parametrize("request_,extra", [
+    (CHAT, {**NULLS, "logprobs": None, "parallel_tool_calls": None, "top_logprobs": None}),
+    (COMPLETION, {**NULLS, "echo": None, "logprobs": None})], ids=["chat", "completion"])
+def test_null_reads_as_the_default(request_, extra):
+    """OpenAI's optional fields are nullable; the client sends null for an argument of None."""
+    model, base = request_
+    got, plain = parse_request(model, {**base, **extra}), parse_request(model, base)
+    for field in extra:
+        if field != "stream_options":
+            assert getattr(got, field) == getattr(plain, field), field
+    with pytest.raises(OpenAIError) as err:  # a required field stays required
+        parse_request(model, {**base, next(iter(base)): None})
+    assert err.value.param == next(iter(base))
+
+
+def test_top_logprobs_0_asks_for_nothing():
+    assert check_chat(parse_request(ChatCompletionRequest, {"messages": MESSAGES, "top_logprobs": 0})) is None
+
+
 def test_stream_options_need_stream():
     """vLLM's rule: stream_options without stream would be unused."""
     for model, base in (CHAT, COMPLETION):

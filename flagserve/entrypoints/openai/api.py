@@ -23,6 +23,7 @@ from flagserve.entrypoints.openai.size_limits import SizeLimitMiddleware
 
 log = logging.getLogger(__name__)
 ROUTES = (("GET", "/health", "health"), ("GET", "/v1/models", "models"),
+          ("GET", "/v1/models/{model:path}", "model"),
           ("GET", "/metrics", "metrics"), ("POST", "/v1/completions", "completions"),
           ("POST", "/v1/chat/completions", "chat_completions"),
           # vLLM's tokenizer routes, at the root as vLLM serves them

@@ -39,7 +39,7 @@ def check_chat(req: Any) -> int | None:
     would change the output and cannot be honoured are refused by the model (unhonoured.py)."""
     check_stream(req)
     if req.top_logprobs is not None:
-        if not req.logprobs:
+        if req.top_logprobs and not req.logprobs:  # 0 asks for nothing (vLLM's rule)
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         _check_count(req.top_logprobs, "top_logprobs")
     _check_count(req.prompt_logprobs, "prompt_logprobs")

@@ -326,14 +326,18 @@ class OpenAIIngress:
         return JSONResponse({"version": VERSION})
 
     async def models(self, _: Request) -> JSONResponse:
-        data = []
-        for route in self.routes:
-            info = await self._info(route)
-            for name in route.names:
-                data.append({"id": name, "object": "model", "created": 0, "owned_by": "flagserve",
-                             "root": info.model_path, "parent": None,
-                             "max_model_len": info.max_model_len})
+        data = [await self._model_card(route, name) for route in self.routes for name in route.names]
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> JSONResponse:
+        """GET /v1/models/{model}: one card (the openai client's models.retrieve)."""
+        name = request.path_params["model"]
+        return JSONResponse(await self._model_card(self._route(name), name))
+
+    async def _model_card(self, route: ModelRoute, name: str) -> dict[str, Any]:
+        info = await self._info(route)
+        return {"id": name, "object": "model", "created": 0, "owned_by": "flagserve",
+                "root": info.model_path, "parent": None, "max_model_len": info.max_model_len}
 
     async def metrics(self, _: Request) -> Response:
         text = await self.metrics_hub.render.remote()

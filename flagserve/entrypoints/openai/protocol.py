@@ -39,6 +39,7 @@ from flagserve.entrypoints.openai.unhonoured import ChatRefused, OutputNeutral, 
 class StreamOptions(Strict):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, usage in every event
+    include_obfuscation: StrictBool | None = None  # OpenAI's padding of events: none is sent here
 
     @property
     def usage(self) -> StreamUsage:

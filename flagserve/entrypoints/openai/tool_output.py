@@ -65,7 +65,9 @@ class ToolOutput:
         return delta
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and self.calls else reason
+        """"tool_calls" where the model chose to call; a named function was the caller's
+        choice, and ends "stop" (OpenAI's and vLLM's)."""
+        return "tool_calls" if reason == "stop" and self.calls and self.mode != "named" else reason
 
 
 def required_calls(text: str) -> list[str | ParsedCall]:

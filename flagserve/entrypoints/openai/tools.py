@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from flagserve.engine.structured_outputs.params import StructuredOutputsParams
 from flagserve.entrypoints.openai.unhonoured import Strict
@@ -29,6 +29,14 @@ class FunctionDef(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None  # always strict here: the grammar is the schema
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = (value or {}).get("type", "object")
+        if kind != "object":  # OpenAI's rule: a call's arguments are a JSON object
+            raise ValueError(f"parameters must be a JSON schema of type 'object', got {kind!r}")
+        return value
 
 
 class ToolDef(Strict):
@@ -64,7 +72,9 @@ def tool_mode(tools: list[ToolDef] | None, choice: ToolChoice | None) -> ToolMod
 
 
 def _parameters(tool: ToolDef) -> dict[str, Any]:
-    return tool.function.parameters if tool.function.parameters is not None else ANY_OBJECT
+    """The schema a call's arguments follow. `{}` admits any JSON value (a number for
+    arguments): an object, as vLLM and OpenAI read it."""
+    return tool.function.parameters or ANY_OBJECT
 
 
 def calls_schema(tools: list[ToolDef], parallel: bool) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, field_validator, model_validator
 
 # field -> why it cannot be honoured (the 400's message)
 REFUSED_CHAT = {
@@ -31,7 +31,21 @@ RENAMED = {"guided_json": "structured_outputs.json", "guided_regex": "structured
 
 
 class Strict(BaseModel):
+    """Unknown fields refused; a null where the field's default is not null reads as that
+    default. OpenAI's optional fields are nullable and clients send null for "not set" (the
+    official one for an argument given as None), as vLLM takes it; a required one stays
+    required."""
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required()
+                or fields[k].default is None}
 
 
 class OutputNeutral(Strict):
