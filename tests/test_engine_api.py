@@ -237,6 +237,12 @@ def test_token_id_prompts_chat_and_progress_bar(llama_path, capsys):
     bare = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False)[0]
     assert bare.prompt_token_ids == tok.encode(tok.apply_chat_template(conv, tokenize=False),
                                                add_special_tokens=False)
+    prefill = [*conv, {"role": "assistant", "content": "Well,"}]
+    going_on = llm.chat(prefill, params, use_tqdm=False, add_generation_prompt=False,
+                        continue_final_message=True)[0]
+    assert tok.decode(going_on.prompt_token_ids).endswith("Well,")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(prefill, params, continue_final_message=True)
 
 
 # How far a half-precision engine's first logprob may sit from fp32's on the tiny model. CPU

@@ -24,7 +24,7 @@ from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
 def encode(tokenizer: PromptTokenizer, sample: SampleRequest, endpoint: BenchEndpoint) -> list[int]:
     """Token ids exactly as FlagServe's server makes them."""
     if endpoint == "chat":
-        return tokenizer.encode_chat(sample.messages, add_generation_prompt=True, template_kwargs=None)
+        return tokenizer.encode_chat(sample.messages)
     return tokenizer.encode_prompts([sample.text])[0]
 
 

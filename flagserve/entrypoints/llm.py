@@ -11,7 +11,7 @@ from flagserve.engine.llm_engine import LLMEngine
 from flagserve.engine.outputs import RequestOutput
 from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from flagserve.entrypoints.openai.template_input import template_message
-from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
+from flagserve.entrypoints.openai.tokenizer import ChatOptions, PromptTokenizer
 
 # A string, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
 Prompt = str | list[int] | dict
@@ -81,15 +81,18 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, *, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
-             ) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the model's chat template, as the
         server renders /v1/chat/completions' (vLLM's arguments; tool calls are not parsed)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if self._chat is None:
             self._chat = PromptTokenizer(self.get_tokenizer())
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        prompts = [self._chat.encode_chat([template_message(m) for m in conv], add_generation_prompt,
-                                          kwargs or None, describe_tools=bool(tools))
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        options = ChatOptions(add_generation_prompt, continue_final_message, kwargs or None,
+                              describe_tools=bool(tools))
+        prompts = [self._chat.encode_chat([template_message(m) for m in conv], options)
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -7,24 +7,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
+from flagserve.entrypoints.openai.tokenizer import DEFAULT_CHAT, ChatOptions, PromptTokenizer
 
 
 class TokenizerDeployment:
     def __init__(self, tokenizer_path: str):
         self.tokenizer = PromptTokenizer(tokenizer_path)
 
-    async def encode_prompts(self, prompts: list[str | list[int]], max_tokens: int | None
-                             ) -> list[list[int]]:
-        return await self.tokenizer.encode_prompts_async(prompts, max_tokens)
+    async def encode_prompts(self, prompts: list[str | list[int]], max_tokens: int | None,
+                             add_special_tokens: bool = True) -> list[list[int]]:
+        return await self.tokenizer.encode_prompts_async(prompts, max_tokens, add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          template_kwargs: dict[str, Any] | None, max_tokens: int | None,
-                          describe_tools: bool = False, add_special_tokens: bool = False
-                          ) -> list[int]:
-        return await self.tokenizer.encode_chat_async(messages, add_generation_prompt,
-                                                      template_kwargs, max_tokens, describe_tools,
-                                                      add_special_tokens)
+    async def encode_chat(self, messages: list[dict[str, Any]], options: ChatOptions = DEFAULT_CHAT,
+                          max_tokens: int | None = None) -> list[int]:
+        return await self.tokenizer.encode_chat_async(messages, options, max_tokens)
 
     async def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self.tokenizer.encode_text_async(text, add_special_tokens)

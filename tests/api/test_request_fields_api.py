@@ -1,13 +1,18 @@
 """Request fields and routes as OpenAI's and vLLM's clients use them: models.retrieve, errors
-naming the field the client sent.
+naming the field the client sent, vLLM's request_id, add_special_tokens,
+continue_final_message, reasoning_effort.
 
 The harness of conftest.py: the ingress on its own server over a real engine.
 """
 from __future__ import annotations
 
-import requests
+import json
 
-from tests.api.test_structured_api import chat
+import requests
+from transformers import AutoTokenizer
+
+from flagserve.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
+from tests.api.test_structured_api import chat, post
 
 
 def test_models_retrieve_gives_the_card_of_one_model(url):
@@ -23,3 +28,48 @@ def test_an_out_of_range_max_completion_tokens_is_named_as_sent(url):
         r = chat(url, **{"max_tokens": None, field: 0})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert r.json()["error"]["message"].startswith(field), r.text
+
+
+def test_request_id_names_the_response(url):
+    r = chat(url, request_id="trace-7", max_tokens=2)
+    assert r.json()["id"] == "chatcmpl-trace-7"
+    r = requests.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "request_id": "trace-7",
+                                                     "stream": True}, timeout=60)
+    ids = {json.loads(line[6:])["id"] for line in r.text.splitlines() if line.startswith("data: {")}
+    assert ids == {"cmpl-trace-7"}
+    # the same id twice at once is no conflict: the engine's ids are its own
+    assert chat(url, request_id="trace-7", max_tokens=2).status_code == 200
+
+
+def test_add_special_tokens_on_completions(url, llama_path):
+    tok = AutoTokenizer.from_pretrained(llama_path)
+    with_bos, without = tok.encode("Hi there"), tok.encode("Hi there", add_special_tokens=False)
+    assert len(with_bos) == len(without) + 1  # the tiny tokenizer writes BOS
+    for flag, ids in ((True, with_bos), (False, without)):
+        r = requests.post(url + "/v1/completions", json={"prompt": "Hi there", "max_tokens": 1,
+                                                         "add_special_tokens": flag}, timeout=60)
+        assert r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+
+
+def test_continue_final_message_leaves_the_last_turn_open(url):
+    messages = [{"role": "user", "content": "Name a color"}, {"role": "assistant", "content": "The color is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    tokens = requests.post(url + "/tokenize", json=body, timeout=10).json()["tokens"]
+    text = requests.post(url + "/detokenize", json={"tokens": tokens}, timeout=10).json()["prompt"]
+    assert text.endswith("The color is"), text
+    closed = requests.post(url + "/tokenize", json={"messages": messages, "add_generation_prompt": False},
+                           timeout=10).json()["tokens"]
+    assert closed[:len(tokens)] == tokens and len(closed) > len(tokens)
+    r = post(url, "/v1/chat/completions", **body, max_tokens=2)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokens), r.text
+
+
+def test_reasoning_effort_is_a_template_variable():
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    opts = parse_request(ChatCompletionRequest, {**base, "reasoning_effort": "low"}).chat_options()
+    assert opts.template_kwargs == {"reasoning_effort": "low", "enable_thinking": True}
+    none = parse_request(ChatCompletionRequest, {**base, "reasoning_effort": "none"}).chat_options()
+    assert none.template_kwargs["enable_thinking"] is False
+    theirs = parse_request(ChatCompletionRequest, {**base, "reasoning_effort": "high",
+                                                   "chat_template_kwargs": {"enable_thinking": False}})
+    assert theirs.chat_options().template_kwargs["enable_thinking"] is False  # the caller's own wins

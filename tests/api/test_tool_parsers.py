@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 
 from flagserve.entrypoints.openai.template_input import template_message
-from flagserve.entrypoints.openai.tokenizer import PromptTokenizer
+from flagserve.entrypoints.openai.tokenizer import ChatOptions, PromptTokenizer
 from flagserve.entrypoints.openai.tool_output import ToolOutput, full_message, stream_step
 from flagserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, HermesParser, ParsedCall, choose_parser
 
@@ -125,7 +125,8 @@ def test_the_follow_up_turn_reaches_a_tools_template(llama_path):
                 {"role": "assistant", "tool_calls": [call]},  # content null: dropped by the ingress
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     tools = [{"type": "function", "function": {"name": "weather"}}]
-    ids = tok.encode_chat([template_message(m) for m in messages], False, {"tools": tools})
+    ids = tok.encode_chat([template_message(m) for m in messages],
+                         ChatOptions(False, template_kwargs={"tools": tools}))
     text = tok.tokenizer.decode(ids)
     assert text == ('TOOLS:weather;<user>Weather?</user><assistant><tool_call>weather {"city": "Paris"}'
                     "</tool_call></assistant><tool>sunny</tool>")
@@ -139,17 +140,18 @@ def test_a_template_blind_to_tools_gets_them_in_the_system_message(llama_path):
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     for messages in ([{"role": "user", "content": "Weather?"}],
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]):
-        text = tok.tokenizer.decode(tok.encode_chat(messages, True, {"tools": tools}, None, True))
+        described = ChatOptions(template_kwargs={"tools": tools}, describe_tools=True)
+        text = tok.tokenizer.decode(tok.encode_chat(messages, described))
         assert '<tools>\n{"type": "function", "function": {"name": "weather"' in text
         assert "<tool_call>" in text and text.count("Weather?") == 1
         assert ("Be brief.\n\n# Tools" in text) == (len(messages) == 2)
-        plain = tok.tokenizer.decode(tok.encode_chat(messages, True, {"tools": tools}))
+        plain = tok.tokenizer.decode(tok.encode_chat(messages, ChatOptions(template_kwargs={"tools": tools})))
         assert "<tools>" not in plain  # required / named: the grammar writes the call
     shown = PromptTokenizer(llama_path)
     shown.tokenizer.chat_template = TOOLS_TEMPLATE
     assert shown.template_shows_tools()
-    text = shown.tokenizer.decode(shown.encode_chat([{"role": "user", "content": "Hi"}], False,
-                                                    {"tools": tools}, None, True))
+    text = shown.tokenizer.decode(shown.encode_chat([{"role": "user", "content": "Hi"}], ChatOptions(
+        False, template_kwargs={"tools": tools}, describe_tools=True)))
     assert text == "TOOLS:weather;<user>Hi</user>"
 
 
@@ -168,4 +170,4 @@ def test_text_parts_reach_the_template_as_it_takes_them(llama_path, template, te
     """vLLM's content formats: parts joined by newlines for a template that takes strings."""
     tok = PromptTokenizer(llama_path)
     tok.tokenizer.chat_template = template
-    assert tok.tokenizer.decode(tok.encode_chat(PARTS, False, None)) == text
+    assert tok.tokenizer.decode(tok.encode_chat(PARTS, ChatOptions(False))) == text

@@ -318,7 +318,7 @@ def test_large_inputs_are_tokenized_on_a_thread(llama_path):
     async def main() -> None:
         await tok.encode_prompts_async(["short"], 100)
         await tok.encode_prompts_async(["x " * INLINE_CHARS], None)
-        await tok.encode_chat_async([{"role": "user", "content": "y " * INLINE_CHARS}], True, None, None)
+        await tok.encode_chat_async([{"role": "user", "content": "y " * INLINE_CHARS}])
 
     asyncio.run(main())
     assert threads[0] == threading.main_thread().name
@@ -331,7 +331,7 @@ def test_the_tokenizer_deployment_takes_the_same_bound(llama_path):
     with pytest.raises(ValueError, match="characters"):
         asyncio.run(dep.encode_prompts(["x " * 10_000], MAX_MODEL_LEN - 1))
     messages = [{"role": "user", "content": "hi"}]
-    assert asyncio.run(dep.encode_chat(messages, True, None, MAX_MODEL_LEN - 1))
+    assert asyncio.run(dep.encode_chat(messages, max_tokens=MAX_MODEL_LEN - 1))
 
 
 def test_the_length_precheck_never_refuses_what_fits(llama_path):

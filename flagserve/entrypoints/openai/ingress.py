@@ -216,10 +216,11 @@ class OpenAIIngress:
                               f"their requests go to {route.names[0]!r}", "model")
         return parsed
 
-    async def _encode_prompts(self, route: ModelRoute, prompts: list, info: ModelInfo,
+    async def _encode_prompts(self, route: ModelRoute, req: Any, info: ModelInfo,
                               params: SamplingParams) -> tuple[list, list[list[int]]]:
-        """The prompts' token ids as truncate_prompt_tokens keeps them, and the prompts with
+        """`req`'s prompts' token ids as truncate_prompt_tokens keeps them, and the prompts with
         each truncated one replaced by its ids (what `echo` shows: what the model saw)."""
+        prompts = req.prompts()
         cut = params.truncate_prompt_tokens is not None
         for p in prompts:
             if isinstance(p, list):
@@ -230,7 +231,8 @@ class OpenAIIngress:
             # prompt tokens that leave room for one more; any length when it is cut
             most = None if cut else info.max_model_len - 1
             try:
-                ids = await call_tokenizer(self.tokenizers, route, "encode_prompts", prompts, most)
+                ids = await call_tokenizer(self.tokenizers, route, "encode_prompts", prompts, most,
+                                           req.add_special_tokens)
             except ValueError as err:
                 raise OpenAIError(400, error_message(err), "prompt") from None
         if not cut:
@@ -249,18 +251,12 @@ class OpenAIIngress:
         return [Echo(p if isinstance(p, str) else next(texts), ids, first)
                 for p, ids, first in zip(prompts, token_ids, firsts)]
 
-    async def _encode_chat(self, route: ModelRoute, req: Any, max_tokens: int | None,
-                           add_special_tokens: bool = False) -> list[int]:
+    async def _encode_chat(self, route: ModelRoute, req: Any, max_tokens: int | None) -> list[int]:
         """`req`: a ChatPrompt; ValueError for a conversation past `max_tokens` (None: any)."""
         messages = [template_message(m.model_dump(exclude_none=True)) for m in req.messages]
-        tools = req.template_tools()
-        kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        # Only `auto` needs the model to know the tools' format; required and named calls are
-        # written by the grammar, and the description would cost a blind template's context.
-        args = (messages, req.add_generation_prompt, kwargs or None, max_tokens,
-                req.tool_mode == "auto", add_special_tokens)
         try:
-            return await call_tokenizer(self.tokenizers, route, "encode_chat", *args)
+            return await call_tokenizer(self.tokenizers, route, "encode_chat", messages,
+                                        req.chat_options(), max_tokens)
         except ValueError as err:
             raise OpenAIError(400, error_message(err), "messages") from None
 
@@ -350,10 +346,10 @@ class OpenAIIngress:
         check_limits(req, self.limits, len(prompts))
         # every value, before tokenizing
         first = self._sampling(req, req.engine_max_tokens, req.logprobs, info)
-        prompts, token_ids = await self._encode_prompts(route, prompts, info, first)
+        prompts, token_ids = await self._encode_prompts(route, req, info, first)
         echoes = await self._echoes(route, prompts, token_ids) if req.echo else None
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        header = Header(rid, req.model or route.names[0])
+        rid = f"cmpl-{uuid.uuid4().hex}"  # the engine's ids: unique whatever the client sends
+        header = Header(req.response_id(rid), req.model or route.names[0])
         requests = []
         for i, ids in enumerate(token_ids):
             max_tokens = check_budget(info, len(ids), req.engine_max_tokens, "prompt",
@@ -381,9 +377,10 @@ class OpenAIIngress:
         max_tokens = check_budget(info, len(ids), req.requested_max_tokens, "messages",
                                   self.limits.max_tokens, req.max_tokens_field)
         params = self._sampling(req, max_tokens, top, info)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{uuid.uuid4().hex}"  # the engine's id: unique whatever the client sends
         stream = await self._start(route, [EngineRequest(rid, ids, params, req.stream, time.time())])
-        fmt = ChatFormat(Header(rid, req.model or route.names[0]), req.n, top,
+        header = Header(req.response_id(rid), req.model or route.names[0])
+        fmt = ChatFormat(header, req.n, top,
                          self._tool_output(route, req), len(ids))
         if req.stream:
             return sse_response(fmt.stream(stream, req.stream_usage))
@@ -400,7 +397,7 @@ class OpenAIIngress:
         info = await self._info(route)
         if isinstance(req, TokenizeChatRequest):
             # Unbounded, as vLLM's: a count past the context is what a caller trims by.
-            ids = await self._encode_chat(route, req, None, req.add_special_tokens)
+            ids = await self._encode_chat(route, req, None)
         else:
             ids = await call_tokenizer(self.tokenizers, route, "encode_text", req.prompt,
                                        req.add_special_tokens)

@@ -25,6 +25,7 @@ from flagserve.engine.structured_outputs.params import StructuredOutputsParams
 from flagserve.entrypoints.openai.errors import OpenAIError
 from flagserve.entrypoints.openai.responses import StreamUsage
 from flagserve.entrypoints.openai.structured import ResponseFormat, StructuredOutputsBody, constraint
+from flagserve.entrypoints.openai.tokenizer import ChatOptions
 from flagserve.entrypoints.openai.tools import (
     NamedToolChoice,
     ToolChoice,
@@ -80,6 +81,25 @@ class _Request(OutputNeutral):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: StrictInt | None = None
     truncation_side: Literal["left", "right"] = "left"
+    # vLLM's: the response's id is <cmpl or chatcmpl>-<request_id>; the engine's ids stay unique
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's: requests are served first come, first served, so only 0 (vLLM's default
+    # scheduling policy refuses other values too)
+    priority: StrictInt = 0
+
+    @field_validator("priority")
+    @classmethod
+    def _first_come_first_served(cls, value: int) -> int:
+        if value != 0:
+            raise ValueError("priority scheduling is not enabled: requests are served first come, "
+                             "first served (send priority 0, or leave it out)")
+        return value
+
+    def response_id(self, engine_id: str) -> str:
+        """The client's request_id under the engine id's prefix (cmpl, chatcmpl), else that id."""
+        if self.request_id is None:
+            return engine_id
+        return f"{engine_id.split('-', 1)[0]}-{self.request_id}"
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
@@ -136,6 +156,7 @@ class CompletionRequest(_Request):
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
+    add_special_tokens: StrictBool = True  # vLLM's: false encodes a string prompt without BOS
 
     @field_validator("prompt")
     @classmethod
@@ -181,6 +202,9 @@ class CompletionRequest(_Request):
         return list(p)  # type: ignore[arg-type]
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class TextPart(Strict):
     type: Literal["text"]
     text: str
@@ -214,8 +238,19 @@ class ChatPrompt(Strict):
 
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # vLLM's: the last message left open (a prefill)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None
+    # vLLM's: the tokenizer's special tokens on top of the template's (which writes BOS itself)
+    add_special_tokens: StrictBool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end(cls, value: bool, info: Any) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: "
+                             "set add_generation_prompt to false to continue the last message")
+        return value
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -246,6 +281,18 @@ class ChatPrompt(Strict):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
+    def template_variables(self) -> dict[str, Any]:
+        return dict(self.chat_template_kwargs or {})
+
+    def chat_options(self) -> ChatOptions:
+        """How the conversation is rendered. Only `auto` needs the model to know the tools'
+        format; required and named calls are written by the grammar, and the description
+        would cost a blind template's context."""
+        tools = self.template_tools()
+        variables = {**self.template_variables(), **({"tools": tools} if tools else {})}
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, variables or None,
+                           self.tool_mode == "auto", self.add_special_tokens)
+
 
 class ChatCompletionRequest(ChatRefused, _Request, ChatPrompt):
     max_tokens: StrictInt | None = None  # None: up to the context window
@@ -254,6 +301,15 @@ class ChatCompletionRequest(ChatRefused, _Request, ChatPrompt):
     top_logprobs: StrictInt | None = None
     tool_choice: ToolChoice | None = None  # None: auto with tools, else none (OpenAI's default)
     parallel_tool_calls: StrictBool = True  # False: `required` makes exactly one call
+    # a template variable, as vLLM passes it (with enable_thinking unless the caller sets it)
+    reasoning_effort: ReasoningEffort | None = None
+
+    def template_variables(self) -> dict[str, Any]:
+        variables = super().template_variables()
+        if self.reasoning_effort is not None:
+            variables = {"reasoning_effort": self.reasoning_effort,
+                         "enable_thinking": self.reasoning_effort != "none", **variables}
+        return variables
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -298,8 +354,6 @@ class TokenizeChatRequest(ChatPrompt):
     """The tokens /v1/chat/completions would give the model for these messages."""
 
     model: str | None = None
-    # The template writes BOS where the model wants it (vLLM's default for chat, too).
-    add_special_tokens: StrictBool = False
     return_token_strs: StrictBool = False
 
 

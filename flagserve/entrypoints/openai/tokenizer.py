@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from flagserve.entrypoints.openai.template_input import joined_text, with_tools_in_system
@@ -25,6 +26,23 @@ from flagserve.models.tokenizer import load_tokenizer
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 PROBE_TOOL = {"type": "function", "function": {"name": "flagserve_probe_tool", "parameters": {}}}
 PROBE_TEXT = "flagserve probe text"
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered (vLLM's request fields of the same names)."""
+    add_generation_prompt: bool = True
+    # the last message left open for the model to go on with (an assistant prefill)
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] | None = None  # the template's variables, `tools` among them
+    # a template that does not show the `tools` gets them in the system message (tools.py)
+    describe_tools: bool = False
+    # the tokenizer's own special tokens on top; by default none: the template writes BOS
+    # itself where the model wants it
+    add_special_tokens: bool = False
+
+
+DEFAULT_CHAT = ChatOptions()
 
 
 class PromptTokenizer:
@@ -46,45 +64,43 @@ class PromptTokenizer:
                              f"(at most {self.chars_per_token} characters each), which is all "
                              "this model's context leaves for the prompt")
 
-    def encode_prompts(self, prompts: list[str | list[int]], max_tokens: int | None = None
-                       ) -> list[list[int]]:
-        """Completions: strings are encoded with the tokenizer's special tokens (BOS), as vLLM.
-        ValueError for a string that cannot be `max_tokens` tokens or fewer."""
+    def encode_prompts(self, prompts: list[str | list[int]], max_tokens: int | None = None,
+                       add_special_tokens: bool = True) -> list[list[int]]:
+        """Completions: strings are encoded with the tokenizer's special tokens (BOS) unless
+        `add_special_tokens` is false, as vLLM. ValueError for a string that cannot be
+        `max_tokens` tokens or fewer."""
         for p in prompts:
             if isinstance(p, str):
                 self.check_length(p, max_tokens)
-        return [p if isinstance(p, list) else self.encode_text(p) for p in prompts]
+        return [p if isinstance(p, list) else self.encode_text(p, add_special_tokens) for p in prompts]
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Unbounded: /tokenize counts a text whatever its length (lm-eval truncates after)."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None, max_tokens: int | None = None,
-                    describe_tools: bool = False, add_special_tokens: bool = False) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], options: ChatOptions = DEFAULT_CHAT,
+                    max_tokens: int | None = None) -> list[int]:
         """Raises ValueError when the model has no chat template, the template rejects input,
-        or the conversation cannot be `max_tokens` tokens or fewer. `describe_tools`: a
-        template that does not show the `tools` gets them in the system message (tools.py).
-        `add_special_tokens` (vLLM's /tokenize field) adds the tokenizer's own on top."""
+        or the conversation cannot be `max_tokens` tokens or fewer."""
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         parts = any(isinstance(m.get("content"), list) for m in messages)
         if parts and not self.template_takes_parts():
             messages = [joined_text(m) for m in messages]
-        tools = (template_kwargs or {}).get("tools")
-        if tools and describe_tools and not self.template_shows_tools():
+        template_kwargs = options.template_kwargs or {}
+        tools = template_kwargs.get("tools")
+        if tools and options.describe_tools and not self.template_shows_tools():
             template_kwargs = {k: v for k, v in template_kwargs.items() if k != "tools"}
             messages = with_tools_in_system(messages, tools)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}))
+                messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, **template_kwargs)
         except Exception as err:  # noqa: BLE001 - the template is code run on the caller's input
             # (its raise_exception() on bad roles, a TypeError on a field of the wrong type)
             raise ValueError(f"the chat template rejected the messages: {err}") from None
         self.check_length(text, max_tokens)
-        # By default none: the template writes BOS itself where the model wants it.
-        return self.encode_text(text, add_special_tokens)
+        return self.encode_text(text, options.add_special_tokens)
 
     def decode(self, prompts: list[list[int]]) -> list[str]:
         """Token-id prompts' text, special tokens kept (vLLM's, for `echo`)."""
@@ -138,21 +154,18 @@ class PromptTokenizer:
             self._template_shows_tools = PROBE_TOOL["function"]["name"] in text
         return self._template_shows_tools
 
-    async def encode_prompts_async(self, prompts: list[str | list[int]], max_tokens: int | None
-                                   ) -> list[list[int]]:
+    async def encode_prompts_async(self, prompts: list[str | list[int]], max_tokens: int | None,
+                                   add_special_tokens: bool = True) -> list[list[int]]:
         size = sum(len(p) for p in prompts if isinstance(p, str))
-        return await self._run(size, self.encode_prompts, prompts, max_tokens)
+        return await self._run(size, self.encode_prompts, prompts, max_tokens, add_special_tokens)
 
-    async def encode_chat_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                                template_kwargs: dict[str, Any] | None, max_tokens: int | None,
-                                describe_tools: bool = False, add_special_tokens: bool = False
-                                ) -> list[int]:
+    async def encode_chat_async(self, messages: list[dict[str, Any]], options: ChatOptions = DEFAULT_CHAT,
+                                max_tokens: int | None = None) -> list[int]:
         # Content given as parts counts as large: measuring it would cost what it saves. Each
         # message costs the template some work of its own (its role's markup, a loop turn).
         size = sum(max(len(c), 64) if isinstance(c := m.get("content"), str) else INLINE_CHARS
                    for m in messages)
-        return await self._run(size, self.encode_chat, messages, add_generation_prompt,
-                               template_kwargs, max_tokens, describe_tools, add_special_tokens)
+        return await self._run(size, self.encode_chat, messages, options, max_tokens)
 
     async def encode_text_async(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self._run(len(text), self.encode_text, text, add_special_tokens)

@@ -19,8 +19,6 @@ REFUSED_CHAT = {
     "audio": "audio output is not served",
     "prediction": "predicted outputs are not served",
     "web_search_options": "web search is not served",
-    "reasoning_effort": "reasoning effort is not served; use chat_template_kwargs where the "
-                        "template has such a variable",
     "verbosity": "verbosity is not served",
     "moderation": "moderation is not served",
 }
@@ -70,7 +68,6 @@ class ChatRefused(Strict):
     modalities: list[str] | None = None
     prediction: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
     moderation: Any = None
 
