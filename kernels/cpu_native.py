@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from kernels.backend import KernelOps
-from kernels.env import KERNELS_ENV, CpuKernels, env_choice
+from kernels.env import KERNELS_ENV, CpuKernels, cache_root, env_choice
 from kernels.out_arg import written
 from kernels.prefill_attention import paged_prefill_attention_torch
 from kernels.rms_norm import rms_norm_torch
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("cpu_*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("cpu_*.h"))  # in the build key too
-CACHE = Path.home() / ".cache" / "flagserve" / "cpu-kernels"
+CACHE = cache_root() / "cpu-kernels"
 
 
 def cpu_flags() -> str:

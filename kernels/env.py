@@ -1,9 +1,18 @@
 """Settings read from the environment, each checked against its mode's choices."""
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 Switch = Literal["on", "off"]  # a setting that is on or off
+CACHE_ENV = "FLAGSERVE_CACHE"
+
+
+def cache_root() -> Path:
+    """Where FlagServe keeps what it builds once and reuses (tiny models, GGUF tokenizers, CPU
+    kernels, inductor's code): $FLAGSERVE_CACHE, else ~/.cache/flagserve."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "flagserve")
+
 
 # The CPU engine's settings read from the environment, each with its choices: read where they
 # apply (README, CPU), and all checked by `action=plan` when experiment.envs sets them.

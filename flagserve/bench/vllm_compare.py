@@ -39,10 +39,11 @@ from flagserve.engine.cpu_runtime import (
     runtime_env,
     tcmalloc_library,
 )
+from flagserve.models.cache import cache_root
 from flagserve.models.config import load_model_config
 
 WORKER = Path(__file__).resolve().parents[2] / "benchmarks" / "offline_worker.py"
-CACHE = Path.home() / ".cache" / "flagserve" / "hf-from-gguf"
+CACHE = cache_root() / "hf-from-gguf"
 
 
 def hf_directory(model: str) -> str:

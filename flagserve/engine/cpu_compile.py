@@ -25,17 +25,16 @@ import dataclasses
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from kernels import KernelOps
-from kernels.env import COMPILE_ENV, CpuCompile, env_choice
+from kernels.env import COMPILE_ENV, CpuCompile, cache_root, env_choice
 
 log = logging.getLogger(__name__)
 COMPILED_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
-CACHE_DIR = Path.home() / ".cache" / "flagserve" / "inductor"
+CACHE_DIR = cache_root() / "inductor"
 
 
 def compile_mode(enforce_eager: bool, requested: str | None = None) -> CpuCompile:

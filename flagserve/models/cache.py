@@ -2,19 +2,14 @@
 
 Kept free of torch: config resolution (every run.py command) asks where the tiny model is.
 """
-import os
 from pathlib import Path
 
 from flagserve.models.architectures import Arch
+from kernels.env import cache_root
 
 # Bump whenever the tiny model's recipe (corpus, sizes, init) changes: cached models live in a
 # versioned directory, so a stale cache can never be mistaken for the current model.
 RECIPE_VERSION = 2
-
-
-def cache_root() -> Path:
-    """$FLAGSERVE_CACHE, else ~/.cache/flagserve."""
-    return Path(os.environ.get("FLAGSERVE_CACHE") or Path.home() / ".cache" / "flagserve")
 
 
 def default_model_dir(arch: Arch = "llama") -> Path:
