@@ -2,6 +2,7 @@
 without a traceback and without starting anything."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -9,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 
+from flagserve.engine.engine_args import EngineArgs
 from flagserve.runner.cli import EXIT_CONFIG, execute
 from tests.serve.conftest import REPO, run_py
 
@@ -439,3 +442,11 @@ def test_a_model_name_that_is_another_modules_id_is_refused(capsys):
                                "model_name:llm}")
     assert code == EXIT_CONFIG and "`serve.llm2.model_name`" in err
     assert "'llm' is also served by serve.llm" in err
+
+
+@pytest.mark.parametrize("name", ["smollm2", "tiny"])
+def test_the_builtin_configs_list_every_engine_arg_a_config_sets(name):
+    """So that each overrides without a `+` (README, Configuration)."""
+    listed = yaml.safe_load((REPO / "conf" / "serve" / f"{name}.yaml").read_text())["llm"]["engine_args"]
+    graph_filled = {"kv_transfer", "placement_hosts"}
+    assert set(listed) == {f.name for f in dataclasses.fields(EngineArgs)} - graph_filled
