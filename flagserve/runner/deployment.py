@@ -29,11 +29,17 @@ class Deployment(ABC):
         self.hosts = hosts
         self.paths = ExpPaths(Path(config.experiment.exp_dir))
 
+    def recorded(self) -> dict:
+        """The config as exp_dir/config.yaml keeps it: resolved, with the API key in force
+        (one from $FLAGSERVE_API_KEY too, which a later `status` shell may not have)."""
+        record = dataclasses.asdict(self.config)
+        record["experiment"]["runner"]["deploy"]["api_key"] = self.config.api_key
+        return record
+
     def save_config(self) -> None:
-        """The resolved config the serving process starts from: exp_dir/config.yaml, which
-        holds the API key: its owner alone reads it."""
-        write_private(self.paths.config, yaml.safe_dump(dataclasses.asdict(self.config),
-                                                        sort_keys=False).encode())
+        """The config the serving process starts from, which holds the API key: its owner
+        alone reads it."""
+        write_private(self.paths.config, yaml.safe_dump(self.recorded(), sort_keys=False).encode())
 
     def where(self) -> str:
         """For the ready message, after the URL: where it runs (nothing on this host alone)."""
@@ -50,8 +56,7 @@ class Deployment(ABC):
             saved = yaml.safe_load(self.paths.config.read_text())
         except (OSError, yaml.YAMLError):
             saved = None
-        ours = {k: v for k, v in dataclasses.asdict(self.config).items()
-                if k not in ("action", "foreground")}
+        ours = {k: v for k, v in self.recorded().items() if k not in ("action", "foreground")}
         if not isinstance(saved, dict) or {k: v for k, v in saved.items() if k in ours} != ours:
             print(f"{name} is already running with another config (records in {self.paths.run}); "
                   f"stop it first: {same_command('stop')}", file=sys.stderr)

@@ -22,6 +22,7 @@ from flagserve.runner import agent
 from flagserve.runner import host_commands as cmd
 from flagserve.runner.launcher import spawn, terminate
 from flagserve.runner.local import LocalDeployment
+from flagserve.runner.locate import recorded_config
 from flagserve.runner.multihost import MultiHostDeployment
 from flagserve.runner.ssh import Connection, HostError, Result
 
@@ -184,6 +185,27 @@ def test_the_local_runner_shares_the_same_config_check(tmp_path, capsys):
                                                 "runner": {"deploy": {"port": 8124}}}})
         assert LocalDeployment(other, []).run(hints=False) == 1
         assert "already running with another config" in capsys.readouterr().err
+    finally:
+        terminate(record, grace_s=1.0)
+        proc.wait()
+
+
+def test_an_api_key_from_the_environment_is_recorded(tmp_path, monkeypatch, capsys):
+    """`status` from a shell without $FLAGSERVE_API_KEY reads the key the run was started
+    with; `run` again with the same key in the environment is the same config."""
+    monkeypatch.setenv("FLAGSERVE_API_KEY", "from-env")
+    cfg, _ = parse_config({"experiment": {"exp_name": "demo", "exp_dir": str(tmp_path)}})
+    local = LocalDeployment(cfg, [])
+    local.paths.make()
+    local.save_config()
+    proc, record = spawn("server", ["sleep", "60"], dict(os.environ), None)
+    try:
+        save_processes(local.paths, [record])
+        assert LocalDeployment(cfg, []).run(hints=False) == 0
+        assert "the same config" in capsys.readouterr().out
+        monkeypatch.delenv("FLAGSERVE_API_KEY")
+        bare, _ = parse_config({"action": "status", "experiment": {"exp_dir": str(tmp_path)}})
+        assert recorded_config(bare, []).api_key == "from-env"
     finally:
         terminate(record, grace_s=1.0)
         proc.wait()
