@@ -1,4 +1,5 @@
-"""The experiment schema: one dataclass per YAML section, defaults as in conf/serve.yaml.
+"""The experiment schema: one dataclass per YAML section, defaults as in conf/serve.yaml (but
+exp_name and exp_dir, which name that file's experiment; a test holds them together).
 
 Shape follows FlagScale's serve experiments (experiment.{exp_name, exp_dir, task, runner,
 envs, cmds}, action, serve); field names users touch follow vLLM (engine_args, model_name).
@@ -118,10 +119,10 @@ class BenchConfig:
     num_prompts: int = 200
     input_len: int = 128  # prompt tokens (shared-prefix: after the prefix)
     output_len: int = 64  # max_tokens (with ignore_eos: exactly this many)
-    range_ratio: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)]
+    range_ratio: float = 0.5  # lengths uniform in [len * (1 - r), len * (1 + r)]
     prefix_len: int = 512  # shared-prefix: tokens of the shared system prompt
     num_prefixes: int = 1  # shared-prefix: system prompts, one drawn per request
-    request_rate: float = float("inf")  # Poisson arrivals per second; inf: all at once
+    request_rate: float = 20.0  # Poisson arrivals per second; inf: all at once
     burstiness: float = 1.0  # gamma shape of the inter-arrival times; 1 = Poisson
     max_concurrency: int | None = None  # requests in flight at most
     endpoint: BenchEndpoint = "completions"

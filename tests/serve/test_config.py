@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from flagserve.config import parse_config
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.runner.cli import EXIT_CONFIG, execute
 from tests.serve.conftest import REPO, run_py
@@ -450,3 +452,19 @@ def test_the_builtin_configs_list_every_engine_arg_a_config_sets(name):
     listed = yaml.safe_load((REPO / "conf" / "serve" / f"{name}.yaml").read_text())["llm"]["engine_args"]
     graph_filled = {"kv_transfer", "placement_hosts"}
     assert set(listed) == {f.name for f in dataclasses.fields(EngineArgs)} - graph_filled
+
+
+def test_the_schema_defaults_are_conf_serve_yaml_s():
+    """An example config that leaves a section out gets what conf/serve.yaml documents."""
+    written = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "serve.yaml"), resolve=False)
+    defaults = dataclasses.asdict(parse_config({})[0])
+    differ = []
+
+    def walk(a, b, path):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in a.keys() & b.keys():
+                walk(a[key], b[key], f"{path}.{key}")
+        elif a != b:
+            differ.append(path)
+    walk(written["experiment"], defaults["experiment"], "experiment")
+    assert sorted(differ) == ["experiment.exp_dir", "experiment.exp_name"], differ
