@@ -28,7 +28,7 @@ def execute(cfg: DictConfig | dict) -> int:
         config, hosts = load(cfg)
         return dispatch(config, hosts)
     except ConfigError as err:
-        print(err, file=sys.stderr)
+        print(err.as_typed(cfg.get("serve") if hasattr(cfg, "get") else None), file=sys.stderr)
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return EXIT_FAILED

@@ -273,6 +273,12 @@ def test_flagscale_list_form_and_plan_across_hosts(capsys, tmp_path, monkeypatch
     assert "`vllm` is served by FlagServe's own engine" in err
     assert "ignoring vLLM-only trust_remote_code" in err
     assert "Qwen2.5-7B-Instruct" in out
+    # the list form is overridden by index: its errors name the keys that way
+    code, _, err = run(capsys, f"experiment.runner.hostfile={REPO}/hostfiles/single_gpu.txt",
+                       "serve.0.engine_args.max_model_len=999999",
+                       config_dir=REPO / "examples/qwen2_5/conf")
+    assert code == EXIT_CONFIG and "config error at `serve.0.engine_args.max_model_len`" in err, err
+    assert "fix: set serve.0.engine_args.max_model_len <=" in err and "serve.qwen" not in err
 
 
 def test_flagscale_use_fs_serve_is_accepted_and_dropped():
