@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import math
+import os
 import re
 from pathlib import Path
 from typing import get_args
@@ -122,10 +123,21 @@ def _check_engine_envs(exp: ExperimentConfig) -> None:
             raise ConfigError(f"experiment.envs.{name}", f"must be one of {', '.join(choices)}, "
                               f"got {text!r}{quote}", f"set experiment.envs.{name}={choices[0]}")
         if name == BIND_ENV and text not in ("auto", "off", ""):
-            try:
-                parse_cpu_list(text)
-            except ValueError as err:
-                raise ConfigError(f"experiment.envs.{name}", str(err), "e.g. 0-1, or auto") from None
+            _check_bind(exp, name, text)
+
+
+def _check_bind(exp: ExperimentConfig, name: str, text: str) -> None:
+    """A malformed core list; on this host alone (no hostfile), cores it does not have."""
+    try:
+        cpus = parse_cpu_list(text)
+    except ValueError as err:
+        raise ConfigError(f"experiment.envs.{name}", str(err), "e.g. 0-1, or auto") from None
+    here = sorted(os.sched_getaffinity(0))
+    outside = [c for c in cpus if c not in here]
+    if outside and not exp.runner.hostfile:
+        raise ConfigError(f"experiment.envs.{name}", f"names cores {outside[:8]} that this host "
+                          f"does not run on; its cores: {','.join(map(str, here))}",
+                          "name cores among those, or auto")
 
 
 def _check_limits(limits: ApiLimits) -> None:

@@ -39,6 +39,12 @@ class MemoryEstimate:
     kv_tokens: int
     max_model_len: int
     budget_source: str  # what the budget was derived from
+    budget_key: str | None = None  # the engine arg that sets it where the engine's count is this one
+
+    @property
+    def too_small(self) -> bool:
+        """The KV cache holds less than one sequence of max_model_len: the engine refuses."""
+        return self.kv_tokens < self.max_model_len
 
 
 def count_params(model: Path, cfg: ModelConfig) -> int:
@@ -121,15 +127,17 @@ def estimate(module_id: str, module: LLMModule, gpu: bool,
         source = f"{args.gpu_memory_utilization:.0%} of a {size}"
         budget = kv_budget_bytes(args, cfg, max_model_len, device or int(ASSUMED_GPU_GIB * 2**30),
                                  weights)
+        key = None  # the device's free memory decides at start
     else:
         source = f"cpu_kv_cache_space_gib={args.cpu_kv_cache_space_gib}"
         budget = kv_budget_bytes(args, cfg, max_model_len, None, 0)
+        key = "cpu_kv_cache_space_gib"
     if args.num_kv_blocks:
-        source = f"num_kv_blocks={args.num_kv_blocks}"
+        source, key = f"num_kv_blocks={args.num_kv_blocks}", "num_kv_blocks"
         kv_tokens = args.num_kv_blocks * args.block_size
         budget = kv_tokens * kv_per_token
     else:
         blocks = capacity_blocks(args, max_model_len, budget, kv_per_token * args.block_size)
         kv_tokens = blocks * args.block_size
     return MemoryEstimate(cfg, dtype, params, weights, kv_per_token, budget, kv_tokens,
-                          max_model_len, source)
+                          max_model_len, source, key)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from flagserve.config.errors import ConfigError
 from flagserve.config.hostfile import Host
 from flagserve.config.schema import Config, LLMModule
 from flagserve.config.topology import (
@@ -109,6 +110,11 @@ def _print_memory(group: EngineGroup, gpu: bool, envs: dict[str, str]) -> None:
     print(f"  KV cache  {_gib(max(est.kv_budget_bytes, 0))} from {est.budget_source}: "
           f"{est.kv_tokens:,} tokens at {est.kv_bytes_per_token / 1024:.1f} KiB/token "
           f"(max_model_len {est.max_model_len:,})")
-    if est.kv_tokens < est.max_model_len:
+    if est.too_small and est.budget_key is not None:  # what the engine will count: it refuses
+        raise ConfigError(f"{args}.engine_args.{est.budget_key}",
+                          f"the KV cache holds {est.kv_tokens:,} tokens, fewer than max_model_len "
+                          f"({est.max_model_len:,}): the engine would refuse to start",
+                          f"raise it, or lower {args}.engine_args.max_model_len")
+    if est.too_small:
         print(f"  WARNING: the KV cache holds fewer tokens than max_model_len; the engine will "
               f"refuse to start: lower {args}.engine_args.max_model_len or give it more memory")

@@ -55,6 +55,16 @@ def test_default_config_plans(capsys):
     assert "llm-tokenizer" not in out  # tokenized in the ingress unless asked for
 
 
+@pytest.mark.parametrize("override,key", [
+    ("serve.llm.engine_args.num_kv_blocks=1", "num_kv_blocks"),
+    ("serve.llm.engine_args.cpu_kv_cache_space_gib=0.0001", "cpu_kv_cache_space_gib")])
+def test_a_kv_cache_the_engine_would_refuse_is_a_config_error_in_plan(capsys, override, key):
+    """On CPU (or with num_kv_blocks) the plan counts what the engine counts: it would refuse."""
+    code, _, err = run(capsys, override)
+    assert code == EXIT_CONFIG and f"config error at `serve.llm.engine_args.{key}`" in err, err
+    assert "fewer than max_model_len" in err
+
+
 def test_ingress_and_http_server_modes():
     from flagserve.config import parse_config
     from flagserve.config.topology import direct_http, ingress_in_engine
@@ -382,6 +392,7 @@ def test_the_plan_counts_gguf_blocks_only_where_the_engine_keeps_them(capsys):
     ("FLAGSERVE_CPU_MATMUL", "mkl", "must be one of auto, aten, native, onednn, got 'mkl'"),
     ("FLAGSERVE_CPU_NATIVE_LAYERS", "false", "YAML reads a bare on/off as a boolean"),
     ("FLAGSERVE_CPU_BIND", "abc", "FLAGSERVE_CPU_BIND must be auto, off or cores"),
+    ("FLAGSERVE_CPU_BIND", "4096", "names cores [4096] that this host does not run on"),
 ])
 def test_engine_settings_in_envs_are_checked_at_plan(capsys, name, value, words):
     code, _, err = run(capsys, f"+experiment.envs.{name}={value}")
