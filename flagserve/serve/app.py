@@ -160,6 +160,12 @@ def shutdown_options(config: Config) -> dict[str, float]:
             "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_LOOP_S}
 
 
+def ingress_name(config: Config) -> str:
+    """The deployment whose replicas serve HTTP: the engine's, or an ingress of its own."""
+    local = ingress_in_engine(config)
+    return f"{local}-engine" if local is not None else "ingress"
+
+
 def dependency_order(config: Config, module_id: str) -> list[str]:
     """User modules that feed `module_id`, each after its own dependencies."""
     order: list[str] = []
@@ -212,10 +218,10 @@ def build_app(config: Config, hosts: list[Host]) -> Application:
                                  [(d, users[d]) for d in dependency_order(config, mid)],
                                  module.tool_call_parser))
     if local is not None:
-        options = {"name": f"{local}-engine",
+        options = {"name": ingress_name(config),
                    **engine_options(config.llms[local], hosts, cpu_engines)}
     else:
-        options = {"name": "ingress", "num_replicas": config.deploy.ingress_replicas,
+        options = {"name": ingress_name(config), "num_replicas": config.deploy.ingress_replicas,
                    "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": 0}}
     listen = (config.deploy.host, config.deploy.port) if direct_http(config) else None
     return serve.deployment(serve.ingress()(OpenAIIngress)).options(**options, **stop).bind(

@@ -5,11 +5,12 @@
 
 Started by `run.py action=run` (flagserve.runner). Alone, it owns a Ray cluster on this host,
 whose listeners are all on loopback (ray_env.LOOPBACK_NODE_ENV); `action=stop` sends SIGTERM,
-on which it deletes the application (every replica drains, deploy.drain_timeout_s), shuts
-down Serve and then Ray, whose processes it started and which die with it. With --cluster
-(the multi-host runner starts it on the head), it joins the Ray cluster the runner started
-on the hosts of the hostfile, waits until every host's node is up, deploys, and on SIGTERM
-shuts down Serve only: the nodes are the runner's.
+on which it drains the ingress replicas' HTTP (deploy.drain_timeout_s), deletes the
+application (every replica drains what is left), shuts down Serve and then Ray, whose
+processes it started and which die with it. With --cluster (the multi-host runner starts it
+on the head), it joins the Ray cluster the runner started on the hosts of the hostfile, waits
+until every host's node is up, deploys, and on SIGTERM shuts down Serve only: the nodes are
+the runner's.
 
 It holds the lock of deploy.port (cluster/port_owner.py) for its whole life: inherited from
 `run` (--port-lock-fd), or taken at start.
@@ -17,6 +18,7 @@ It holds the lock of deploy.port (cluster/port_owner.py) for its whole life: inh
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -161,13 +163,59 @@ def _serve_until(stop: threading.Event, config: Config, hosts: list[Host]) -> No
         deployed.result()  # a failed deploy raises here, as serve.run did
         log.info("serving %s at %s", name, _bind_url(config))
         stop.wait()
-    # Deleting the application first drains every replica (up to deploy.drain_timeout_s)
-    # while Serve's HTTP proxy, which serve.shutdown() kills at once, still delivers their
-    # responses.
     log.info("stopping: new requests are refused; running ones get up to %g s",
              deploy.drain_timeout_s)
+    _drain_ingress(config)
+    # Deleting the application then stops every replica (one the drain above missed drains
+    # now, up to deploy.drain_timeout_s) while Serve's HTTP proxy, which serve.shutdown()
+    # kills at once, still delivers their responses.
     serve.delete(name)
     serve.shutdown()
+
+
+def _drain_ingress(config: Config) -> None:
+    """Drain the HTTP of every ingress replica (drain.py) before the application is deleted.
+
+    Deleting it stops every deployment at once. A request that reached a separate ingress in
+    the half second before that replica's own drain began then waited for an engine replica,
+    of which its router has none while they stop, until the drain timeout cut it: a 503 after
+    deploy.drain_timeout_s instead of at once. Drained first, the ingress refuses new requests
+    at once while the engines still serve the running ones."""
+    try:
+        if _ingress_running(config):
+            asyncio.run(_broadcast_drain(config))
+    except Exception as err:  # noqa: BLE001 - deleting the application drains them all the same
+        log.warning("draining the ingress before the engines failed (%s); deleting the "
+                    "application drains every replica at once", err)
+
+
+def _ingress_running(config: Config) -> bool:
+    """Whether an ingress replica runs (none yet: a stop while deploying). Asked of Serve, not
+    of serve.run's return: a replica serves HTTP, and `run` reports the server up, a moment
+    before the application counts as running."""
+    from ray import serve
+
+    from flagserve.serve.app import ingress_name
+
+    app = serve.status().applications.get(config.experiment.exp_name)
+    ingress = app.deployments.get(ingress_name(config)) if app is not None else None
+    return ingress is not None and ingress.replica_states.get("RUNNING", 0) > 0
+
+
+async def _broadcast_drain(config: Config) -> None:
+    from ray.serve.handle import DeploymentHandle
+
+    from flagserve.serve.app import SHUTDOWN_MARGIN_S, ingress_name
+
+    # A handle of its own, not serve.get_deployment_handle's cached one: its router runs on
+    # this loop (SERVE_ENV), and serve.shutdown() would shut a cached one down after the loop
+    # has closed.
+    handle = DeploymentHandle(ingress_name(config), config.experiment.exp_name)
+    try:
+        await handle.broadcast("drain_http").results_async(
+            timeout_s=config.deploy.drain_timeout_s + SHUTDOWN_MARGIN_S)
+    finally:
+        await handle.shutdown_async()
 
 
 def _bind_url(config: Config) -> str:

@@ -1,9 +1,10 @@
 """Graceful stop of one ingress replica's HTTP: refuse new requests, let the running ones
 finish within the drain timeout, then end what is left properly.
 
-An ASGI wrapper around the OpenAI app (ingress.py wraps it; the replica's __del__ runs the
-drain when Ray Serve stops the replica, README "Actions"). Once draining, every new request
-gets an OpenAI-shaped 503 with `Connection: close` (/health too, so load balancers move on).
+An ASGI wrapper around the OpenAI app (ingress.py wraps it; `stop` runs the drain on every
+ingress replica before it deletes the application, else the replica's __del__ does when Ray
+Serve stops the replica, README "Actions"). Once draining, every new request gets an
+OpenAI-shaped 503 with `Connection: close` (/health too, so load balancers move on).
 A request still running when the timeout passes is cancelled: its engine streams abort, and
 an SSE stream that has started ends with an error event and `data: [DONE]`; one whose
 response has not started gets the 503.

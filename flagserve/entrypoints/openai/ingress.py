@@ -120,6 +120,7 @@ class OpenAIIngress:
         self.metrics_hub = metrics_hub
         self.drain: Drain | None = None  # the app, wrapped: stop drains it (drain.py)
         self.drain_timeout_s = drain_timeout_s
+        self._drained: asyncio.Future | None = None  # the one drain of this replica (drain_http)
         self.infos: dict[str, ModelInfo] = {}
         self.tokenizer_infos: dict[str, dict[str, Any]] = {}  # PromptTokenizer.info() per module
         self.tokenizers: dict[str, PromptTokenizer] = {}
@@ -150,12 +151,25 @@ class OpenAIIngress:
             self.http.start(app)
         return app
 
+    async def drain_http(self) -> None:
+        """Refuse new requests and let the running ones finish or end them (drain.py), once
+        per replica. `stop` calls it on every ingress replica before it deletes the
+        application (serve/server.py), so that the engines serve until it is done; Serve's stop
+        of the replica (__del__) then finds it done, or runs it."""
+        if self.drain is None:
+            return
+        if self._drained is None:
+            self._drained = asyncio.ensure_future(self._drain_once(self.drain))
+        await asyncio.shield(self._drained)  # a caller that gives up leaves the drain running
+
+    async def _drain_once(self, drain: Drain) -> None:
+        running, cut = await drain.run(self.drain_timeout_s)
+        log.info("drained: %d requests were running, %d cut at the %g s timeout",
+                 running, cut, self.drain_timeout_s)
+
     async def __del__(self) -> None:
         """Ray Serve calls this when it stops the replica: drain, then stop."""
-        if self.drain is not None:
-            running, cut = await self.drain.run(self.drain_timeout_s)
-            log.info("drained: %d requests were running, %d cut at the %g s timeout",
-                     running, cut, self.drain_timeout_s)
+        await self.drain_http()
         if self.http is not None:
             await self.http.stop()
         for engine in self.engines.values():
