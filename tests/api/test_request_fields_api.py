@@ -73,3 +73,38 @@ def test_reasoning_effort_is_a_template_variable():
     theirs = parse_request(ChatCompletionRequest, {**base, "reasoning_effort": "high",
                                                    "chat_template_kwargs": {"enable_thinking": False}})
     assert theirs.chat_options().template_kwargs["enable_thinking"] is False  # the caller's own wins
+
+
+def events(r: requests.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def test_return_token_ids_gives_the_prompt_and_the_output_ids(url):
+    """vLLM's return_token_ids: the prompt as the server tokenized it, each choice's tokens
+    (their count is the usage's), the same streamed and whole."""
+    prompt = requests.post(url + "/tokenize", json={"prompt": "Hi there"}, timeout=10).json()["tokens"]
+    body = {"prompt": "Hi there", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2,
+            "return_token_ids": True}
+    whole = requests.post(url + "/v1/completions", json=body, timeout=60).json()
+    assert [c["prompt_token_ids"] for c in whole["choices"]] == [prompt, prompt]
+    assert sum(len(c["token_ids"]) for c in whole["choices"]) == whole["usage"]["completion_tokens"] == 12
+    chunks = [c for e in events(requests.post(url + "/v1/completions", json={**body, "stream": True},
+                                              timeout=60)) for c in e["choices"]]
+    for choice in whole["choices"]:
+        mine = [c for c in chunks if c["index"] == choice["index"]]
+        assert mine[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+    messages = [{"role": "user", "content": "Hi"}]
+    templated = requests.post(url + "/tokenize", json={"messages": messages}, timeout=10).json()["tokens"]
+    chat_body = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                 "return_token_ids": True}
+    got = requests.post(url + "/v1/chat/completions", json=chat_body, timeout=60).json()
+    assert got["prompt_token_ids"] == templated and len(got["choices"][0]["token_ids"]) == 4
+    streamed = events(requests.post(url + "/v1/chat/completions", json={**chat_body, "stream": True},
+                                    timeout=60))
+    assert streamed[0]["prompt_token_ids"] == templated
+    assert [t for e in streamed for c in e["choices"] for t in c.get("token_ids", [])] \
+        == got["choices"][0]["token_ids"]
+    plain = requests.post(url + "/v1/chat/completions", json={**chat_body, "return_token_ids": False},
+                          timeout=60).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]

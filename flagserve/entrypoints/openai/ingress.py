@@ -373,7 +373,8 @@ class OpenAIIngress:
         stream = await self._start(route, requests)
         if req.echo_only:
             stream = prompt_only(stream)
-        fmt = CompletionFormat(header, req.n, req.logprobs, echoes)
+        fmt = CompletionFormat(header, req.n, req.logprobs, echoes,
+                               token_ids if req.return_token_ids else None)
         if req.stream:
             return sse_response(fmt.stream(stream, req.stream_usage))
         return await whole(fmt, stream)
@@ -394,8 +395,7 @@ class OpenAIIngress:
         rid = f"chatcmpl-{uuid.uuid4().hex}"  # the engine's id: unique whatever the client sends
         stream = await self._start(route, [EngineRequest(rid, ids, params, req.stream, time.time())])
         header = Header(req.response_id(rid), req.model or route.names[0])
-        fmt = ChatFormat(header, req.n, top,
-                         self._tool_output(route, req), len(ids))
+        fmt = ChatFormat(header, req.n, top, self._tool_output(route, req), ids, req.return_token_ids)
         if req.stream:
             return sse_response(fmt.stream(stream, req.stream_usage))
         return await whole(fmt, stream)

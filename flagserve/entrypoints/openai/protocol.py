@@ -86,6 +86,8 @@ class _Request(OutputNeutral):
     # vLLM's: requests are served first come, first served, so only 0 (vLLM's default
     # scheduling policy refuses other values too)
     priority: StrictInt = 0
+    # vLLM's: the prompt's and each choice's token ids in the response (RL frameworks read them)
+    return_token_ids: StrictBool = False
 
     @field_validator("priority")
     @classmethod

@@ -161,9 +161,11 @@ def _merged(batch: list[tuple[int, EngineChunk]]) -> dict[tuple[int, int], Compl
     return deltas
 
 
-def _worth_sending(delta: CompletionOutput, logprobs: int | None) -> bool:
-    # Tokens whose text is held back (a partial stop string) are sent with their text.
-    return bool(delta.text or delta.finish_reason or (logprobs is not None and delta.token_ids))
+def _worth_sending(delta: CompletionOutput, logprobs: int | None, token_ids: bool) -> bool:
+    # Tokens whose text is held back (a partial stop string) are sent with their text, unless
+    # each token's logprobs or ids are asked for.
+    return bool(delta.text or delta.finish_reason
+                or ((logprobs is not None or token_ids) and delta.token_ids))
 
 
 async def prompt_only(stream: Batches) -> Batches:
@@ -176,9 +178,14 @@ async def prompt_only(stream: Batches) -> Batches:
 
 
 class CompletionFormat:
-    def __init__(self, header: Header, n: int, logprobs: int | None, echoes: list[Echo] | None = None):
-        """`echoes`: one per prompt when the request asks for `echo`."""
+    def __init__(self, header: Header, n: int, logprobs: int | None, echoes: list[Echo] | None = None,
+                 prompt_ids: list[list[int]] | None = None):
+        """`echoes`: one per prompt when the request asks for `echo`; `prompt_ids`: the
+        prompts' token ids when it asks for vLLM's return_token_ids (each choice then carries
+        `prompt_token_ids` in its first event and its `token_ids`)."""
         self.header, self.n, self.logprobs, self.echoes = header, n, logprobs, echoes
+        self.prompt_ids = prompt_ids
+        self.ids_sent: set[int] = set()  # choices that have had their prompt_token_ids
         self.usage = Usage()
         self.offsets: dict[int, int] = {}  # choice index -> the text_offset of its next token
         self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # prompt -> its entries, once come
@@ -213,6 +220,11 @@ class CompletionFormat:
         if prompt in self.prompt_logprobs and index not in self.scored:
             self.scored.add(index)
             choice["prompt_logprobs"] = prompt_logprobs_body(self.prompt_logprobs[prompt])
+        if self.prompt_ids is not None:
+            if index not in self.ids_sent:
+                self.ids_sent.add(index)
+                choice["prompt_token_ids"] = self.prompt_ids[prompt]
+            choice["token_ids"] = list(delta.token_ids)
         return choice
 
     def _echo(self, prompt: int, index: int, logprobs: CompletionLogprobs | None) -> str | None:
@@ -237,7 +249,8 @@ class CompletionFormat:
         """Whether the prompt's choice has yet to send its echo or prompt_logprobs."""
         index = prompt * self.n + choice
         return ((self.echoes is not None and index not in self.echoed)
-                or (prompt in self.prompt_logprobs and index not in self.scored))
+                or (prompt in self.prompt_logprobs and index not in self.scored)
+                or (self.prompt_ids is not None and index not in self.ids_sent))
 
     async def stream(self, batches: Batches, usage: StreamUsage) -> AsyncIterator[str]:
         seen: set[int] = set()
@@ -245,7 +258,8 @@ class CompletionFormat:
             for prompt, chunk in batch:
                 self._account(chunk, seen, prompt)
             choices = [self._choice(prompt, d) for (prompt, _), d in _merged(batch).items()
-                       if _worth_sending(d, self.logprobs) or self._owes(prompt, d.index)]
+                       if _worth_sending(d, self.logprobs, self.prompt_ids is not None)
+                       or self._owes(prompt, d.index)]
             if choices:
                 yield sse(self.header.body("text_completion", choices, **self.usage.so_far(usage)))
         if usage != "none":
@@ -264,11 +278,15 @@ class CompletionFormat:
 
 class ChatFormat:
     def __init__(self, header: Header, n: int, top_logprobs: int | None,
-                 tools: Callable[[], ToolOutput] | None = None, prompt_tokens: int = 0):
+                 tools: Callable[[], ToolOutput] | None = None, prompt_ids: list[int] = (),
+                 return_token_ids: bool = False):
         """`tools`: makes each choice's ToolOutput when the request has tools (tool_output.py);
-        `prompt_tokens`: the prompt's length, for the usage of events before the engine's first."""
+        `prompt_ids`: the prompt, its length for the usage of events before the engine's
+        first; `return_token_ids` (vLLM's): the response carries them as `prompt_token_ids` (in
+        the first event) and each choice its `token_ids`."""
         self.header, self.n, self.top = header, n, top_logprobs
-        self.usage = Usage(prompt_tokens)
+        self.usage = Usage(len(prompt_ids))
+        self.ids = {"prompt_token_ids": list(prompt_ids)} if return_token_ids else None
         self.tools = tools
         self.outputs: dict[int, ToolOutput] = {}  # choice index -> its calls so far
         self.prompt_logprobs: PromptLogprobs | None = None  # come, not yet sent
@@ -283,7 +301,10 @@ class ChatFormat:
                 return None
         return {"index": d.index, "delta": delta,
                 "logprobs": {"content": lp} if lp is not None else None,
-                "finish_reason": reason, "stop_reason": d.stop_reason}
+                "finish_reason": reason, "stop_reason": d.stop_reason, **self._token_ids(d)}
+
+    def _token_ids(self, d: Any) -> dict[str, Any]:
+        return {} if self.ids is None else {"token_ids": list(d.token_ids)}
 
     def _account(self, chunk: EngineChunk) -> None:
         self.usage.prompt_tokens = chunk.num_prompt_tokens
@@ -306,13 +327,14 @@ class ChatFormat:
         obj = "chat.completion.chunk"
         yield sse(self.header.body(obj, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}
-                                         for i in range(self.n)], **self.usage.so_far(usage)))
+                                         for i in range(self.n)], **(self.ids or {}),
+                                   **self.usage.so_far(usage)))
         async for batch in batches:
             for _, chunk in batch:
                 self._account(chunk)
             choices = []
             for d in _merged(batch).values():
-                if not _worth_sending(d, self.top):
+                if not _worth_sending(d, self.top, self.ids is not None):
                     continue
                 choice = self._delta(d, self._logprobs(d))
                 if choice is not None:
@@ -328,12 +350,12 @@ class ChatFormat:
         async for batch in batches:
             for _, chunk in batch:
                 self._account(chunk)
-                choices += [chat_choice(d.index, d.text, d, self._logprobs(d),
-                                        self.tools() if self.tools else None)
+                choices += [{**chat_choice(d.index, d.text, d, self._logprobs(d),
+                                           self.tools() if self.tools else None), **self._token_ids(d)}
                             for d in chunk.choices]
         choices.sort(key=lambda c: c["index"])
         return self.header.body("chat.completion", choices, usage=self.usage.body(),
-                                **self._take_prompt_logprobs())
+                                **self._take_prompt_logprobs(), **(self.ids or {}))
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
