@@ -53,6 +53,9 @@ def test_default_config_plans(capsys):
     assert code == 0, err
     assert "llm-engine" in out and "KV cache" in out and "tokens" in out
     assert "llm-tokenizer" not in out  # tokenized in the ingress unless asked for
+    assert "model tiny-llama," in out
+    code, out, err = run(capsys, "serve.llm.tiny_model=mistral")
+    assert code == 0 and "model tiny-mistral," in out, err
 
 
 @pytest.mark.parametrize("override,key", [
