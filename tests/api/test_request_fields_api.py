@@ -108,3 +108,20 @@ def test_return_token_ids_gives_the_prompt_and_the_output_ids(url):
     plain = requests.post(url + "/v1/chat/completions", json={**chat_body, "return_token_ids": False},
                           timeout=60).json()
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_chat_echo_returns_the_prefill_with_its_continuation(url):
+    """vLLM's chat echo: the last message's text first where it is the assistant's."""
+    messages = [{"role": "user", "content": "Name a color"}, {"role": "assistant", "content": "The color is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+            "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = post(url, "/v1/chat/completions", **body).json()["choices"][0]["message"]["content"]
+    echoed = post(url, "/v1/chat/completions", **body, echo=True).json()["choices"][0]["message"]["content"]
+    assert echoed == "The color is" + plain
+    streamed = events(requests.post(url + "/v1/chat/completions", json={**body, "echo": True, "stream": True},
+                                    timeout=60))
+    assert "".join(c["delta"].get("content") or "" for e in streamed for c in e["choices"]) == echoed
+    # the last message a user's: nothing to echo
+    asked = {**body, "messages": messages[:1], "add_generation_prompt": True, "continue_final_message": False}
+    assert post(url, "/v1/chat/completions", **asked, echo=True).json()["choices"][0]["message"]["content"] \
+        == post(url, "/v1/chat/completions", **asked).json()["choices"][0]["message"]["content"]

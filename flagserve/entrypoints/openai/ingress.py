@@ -395,7 +395,8 @@ class OpenAIIngress:
         rid = f"chatcmpl-{uuid.uuid4().hex}"  # the engine's id: unique whatever the client sends
         stream = await self._start(route, [EngineRequest(rid, ids, params, req.stream, time.time())])
         header = Header(req.response_id(rid), req.model or route.names[0])
-        fmt = ChatFormat(header, req.n, top, self._tool_output(route, req), ids, req.return_token_ids)
+        fmt = ChatFormat(header, req.n, top, self._tool_output(route, req), ids, req.return_token_ids,
+                         req.echoed_text)
         if req.stream:
             return sse_response(fmt.stream(stream, req.stream_usage))
         return await whole(fmt, stream)

@@ -305,6 +305,16 @@ class ChatCompletionRequest(ChatRefused, _Request, ChatPrompt):
     parallel_tool_calls: StrictBool = True  # False: `required` makes exactly one call
     # a template variable, as vLLM passes it (with enable_thinking unless the caller sets it)
     reasoning_effort: ReasoningEffort | None = None
+    # vLLM's: the answer starts with the last message's text where that is the assistant's
+    # (a prefill continued with continue_final_message comes back whole)
+    echo: StrictBool = False
+
+    @property
+    def echoed_text(self) -> str:
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or not last.content:
+            return ""
+        return last.content if isinstance(last.content, str) else "\n".join(p.text for p in last.content)
 
     def template_variables(self) -> dict[str, Any]:
         variables = super().template_variables()

@@ -279,12 +279,13 @@ class CompletionFormat:
 class ChatFormat:
     def __init__(self, header: Header, n: int, top_logprobs: int | None,
                  tools: Callable[[], ToolOutput] | None = None, prompt_ids: list[int] = (),
-                 return_token_ids: bool = False):
+                 return_token_ids: bool = False, echo: str = ""):
         """`tools`: makes each choice's ToolOutput when the request has tools (tool_output.py);
         `prompt_ids`: the prompt, its length for the usage of events before the engine's
         first; `return_token_ids` (vLLM's): the response carries them as `prompt_token_ids` (in
-        the first event) and each choice its `token_ids`."""
-        self.header, self.n, self.top = header, n, top_logprobs
+        the first event) and each choice its `token_ids`; `echo`: text each choice's content
+        starts with (vLLM's chat echo)."""
+        self.header, self.n, self.top, self.echo = header, n, top_logprobs, echo
         self.usage = Usage(len(prompt_ids))
         self.ids = {"prompt_token_ids": list(prompt_ids)} if return_token_ids else None
         self.tools = tools
@@ -302,6 +303,12 @@ class ChatFormat:
         return {"index": d.index, "delta": delta,
                 "logprobs": {"content": lp} if lp is not None else None,
                 "finish_reason": reason, "stop_reason": d.stop_reason, **self._token_ids(d)}
+
+    def _whole_choice(self, d: Any) -> dict[str, Any]:
+        choice = chat_choice(d.index, d.text, d, self._logprobs(d), self.tools() if self.tools else None)
+        if self.echo:  # before the text, after any tool calls were parsed out of it
+            choice["message"]["content"] = self.echo + (choice["message"]["content"] or "")
+        return {**choice, **self._token_ids(d)}
 
     def _token_ids(self, d: Any) -> dict[str, Any]:
         return {} if self.ids is None else {"token_ids": list(d.token_ids)}
@@ -325,7 +332,7 @@ class ChatFormat:
 
     async def stream(self, batches: Batches, usage: StreamUsage) -> AsyncIterator[str]:
         obj = "chat.completion.chunk"
-        yield sse(self.header.body(obj, [{"index": i, "delta": {"role": "assistant", "content": ""},
+        yield sse(self.header.body(obj, [{"index": i, "delta": {"role": "assistant", "content": self.echo},
                                           "logprobs": None, "finish_reason": None}
                                          for i in range(self.n)], **(self.ids or {}),
                                    **self.usage.so_far(usage)))
@@ -350,9 +357,7 @@ class ChatFormat:
         async for batch in batches:
             for _, chunk in batch:
                 self._account(chunk)
-                choices += [{**chat_choice(d.index, d.text, d, self._logprobs(d),
-                                           self.tools() if self.tools else None), **self._token_ids(d)}
-                            for d in chunk.choices]
+                choices += [self._whole_choice(d) for d in chunk.choices]
         choices.sort(key=lambda c: c["index"])
         return self.header.body("chat.completion", choices, usage=self.usage.body(),
                                 **self._take_prompt_logprobs(), **(self.ids or {}))
