@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from flagserve.cluster.records import (
 )
 from flagserve.config import parse_config
 from flagserve.config.hostfile import parse_hostfile_text
+from flagserve.config.schema import Config
 from flagserve.runner import agent
 from flagserve.runner import host_commands as cmd
 from flagserve.runner.launcher import spawn, terminate
@@ -170,8 +172,10 @@ def test_the_agent_keeps_a_shared_hosts_dir_of_other_hosts(tmp_path, others):
     assert Path(other.token).exists() == others
 
 
-def test_the_local_runner_shares_the_same_config_check(tmp_path, capsys):
-    """Deployment.already_running, moved from the local runner: a live recorded process."""
+@contextlib.contextmanager
+def recorded_demo(tmp_path: Path) -> Iterator[Config]:
+    """A local run of experiment `demo` as its records show it: its config saved, a live
+    process recorded."""
     cfg, _ = parse_config({"experiment": {"exp_name": "demo", "exp_dir": str(tmp_path)}})
     local = LocalDeployment(cfg, [])
     local.paths.make()
@@ -179,33 +183,30 @@ def test_the_local_runner_shares_the_same_config_check(tmp_path, capsys):
     proc, record = spawn("server", ["sleep", "60"], dict(os.environ), None)
     try:
         save_processes(local.paths, [record])
+        yield cfg
+    finally:
+        terminate(record, grace_s=1.0)
+        proc.wait()
+
+
+def test_the_local_runner_shares_the_same_config_check(tmp_path, capsys):
+    """Deployment.already_running, moved from the local runner: a live recorded process."""
+    with recorded_demo(tmp_path) as cfg:
         assert LocalDeployment(cfg, []).run(hints=False) == 0
         assert "demo is already running (the same config)" in capsys.readouterr().out
         other, _ = parse_config({"experiment": {"exp_name": "demo", "exp_dir": str(tmp_path),
                                                 "runner": {"deploy": {"port": 8124}}}})
         assert LocalDeployment(other, []).run(hints=False) == 1
         assert "already running with another config" in capsys.readouterr().err
-    finally:
-        terminate(record, grace_s=1.0)
-        proc.wait()
 
 
 def test_an_api_key_from_the_environment_is_recorded(tmp_path, monkeypatch, capsys):
     """`status` from a shell without $FLAGSERVE_API_KEY reads the key the run was started
     with; `run` again with the same key in the environment is the same config."""
     monkeypatch.setenv("FLAGSERVE_API_KEY", "from-env")
-    cfg, _ = parse_config({"experiment": {"exp_name": "demo", "exp_dir": str(tmp_path)}})
-    local = LocalDeployment(cfg, [])
-    local.paths.make()
-    local.save_config()
-    proc, record = spawn("server", ["sleep", "60"], dict(os.environ), None)
-    try:
-        save_processes(local.paths, [record])
+    with recorded_demo(tmp_path) as cfg:
         assert LocalDeployment(cfg, []).run(hints=False) == 0
         assert "the same config" in capsys.readouterr().out
         monkeypatch.delenv("FLAGSERVE_API_KEY")
         bare, _ = parse_config({"action": "status", "experiment": {"exp_dir": str(tmp_path)}})
         assert recorded_config(bare, []).api_key == "from-env"
-    finally:
-        terminate(record, grace_s=1.0)
-        proc.wait()
