@@ -106,3 +106,35 @@ def test_queued_prompt_tokens_count_what_is_left_to_prefill(llama_path):
     assert engine.get_stats().queued_prompt_tokens == 2
     engine.step()  # a decodes; b's last 2: every prompt computed, decodes are not counted
     assert engine.get_stats().queued_prompt_tokens == 0
+
+
+def test_priority_policy_orders_admission_and_preemption(llama_path, prompts, reference, monkeypatch):
+    """scheduling_policy="priority" (vLLM's): a lower priority runs first, among equals the
+    earlier arrival; under a tiny cache the latest priority is preempted. Tokens never change."""
+    ranks = [(7 * i) % 5 - 2 for i in range(len(prompts))]  # -2..2, mixed with arrival order
+    one_at_a_time = LLM(llama_path, dtype="float32", max_num_seqs=1, scheduling_policy="priority")
+    outs = one_at_a_time.generate(prompts, GREEDY, use_tqdm=False, priority=ranks)
+    assert token_ids(outs) == reference
+    started = sorted(range(len(prompts)), key=lambda i: outs[i].metrics.first_scheduled_time)
+    assert started == sorted(range(len(prompts)), key=lambda i: (ranks[i], i))
+    tiny = LLM(llama_path, dtype="float32", num_kv_blocks=12, max_model_len=192,
+               scheduling_policy="priority")
+    scheduler = tiny.llm_engine.scheduler
+    real, victims = getattr(scheduler, "_preempt"), []  # noqa: B009 - a private hook, wrapped
+
+    def preempt(seq):  # the victim is the latest in (priority, arrival) of what was running
+        key = (seq.priority, seq.arrival_time, seq.seq_id)
+        victims.append(all(key > (s.priority, s.arrival_time, s.seq_id) for s in scheduler.running))
+        real(seq)
+    monkeypatch.setattr(scheduler, "_preempt", preempt)
+    outs = tiny.generate(prompts, GREEDY, use_tqdm=False, priority=ranks)
+    assert token_ids(outs) == reference and victims and all(victims)
+
+
+def test_priority_needs_the_priority_policy(llama_path):
+    llm = LLM(llama_path, dtype="float32")
+    with pytest.raises(ValueError, match="scheduling_policy 'priority'"):
+        llm.generate(["Hi"], GREEDY, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="1 prompts but 2 priorities"):
+        llm.generate(["Hi"], GREEDY, use_tqdm=False, priority=[0, 0])
+    assert llm.generate(["Hi"], GREEDY, use_tqdm=False, priority=[0])[0].finished

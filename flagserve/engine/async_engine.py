@@ -42,23 +42,25 @@ class AsyncEngine:
         return self.error is None and self.core.alive
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield merged DELTA outputs of one request until it finishes; aborts it if closed early.
         add_request's errors (ValueError for a bad request) are raised by the first step."""
         params = replace(params, output_kind=RequestOutputKind.DELTA)
         async for out in self._stream(request_id, AddRequest(request_id, prompt, params,
-                                                             arrival_time or time.time())):
+                                                             arrival_time or time.time(), priority)):
             yield out
 
     async def prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                      arrival_time: float | None = None
+                      arrival_time: float | None = None, priority: int = 0
                       ) -> AsyncIterator[RequestOutput | RequestHandoff]:
         """generate() on a prefill engine: yields the request's RequestHandoff after its first
         token and ends (the request has left this engine; abort() withdraws its KV until a
         decode engine has fetched it), or its outputs if every sequence ended with that token."""
         params = replace(params, output_kind=RequestOutputKind.DELTA)
         async for out in self._stream(request_id, PrefillRequest(request_id, prompt, params,
-                                                                 arrival_time or time.time())):
+                                                                 arrival_time or time.time(),
+                                                                 priority)):
             yield out
 
     async def import_request(self, handoff: RequestHandoff) -> AsyncIterator[RequestOutput]:

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]  # auto: models/config.py auto_dtype
 # The kernels (kernels/backend.py): torch reference, our Triton kernels, or auto (Triton on CUDA)
 AttentionBackend = Literal["auto", "torch", "triton"]
+# fcfs: requests in arrival order; priority (vLLM's): a request's priority first (lower is
+# earlier), then arrival; the running sequence of the latest priority is preempted first
+SchedulingPolicy = Literal["fcfs", "priority"]
 # vLLM's load_format: "auto" reads the checkpoint; "dummy" draws random weights on the device
 # from the model's config alone (benchmarks of a shape without its checkpoint).
 LoadFormat = Literal["auto", "dummy"]
@@ -44,6 +47,7 @@ class EngineArgs:
     cpu_kv_cache_space_gib: float = 4.0  # CPU: memory for the KV cache
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
     attention_backend: AttentionBackend = "auto"
     load_format: LoadFormat = "auto"
     seed: int = 0

@@ -27,7 +27,7 @@ from flagserve.engine.outputs import (
     logprob_entry,
 )
 from flagserve.engine.prompt_logprobs import record_prompt_scores
-from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from flagserve.engine.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams, is_int
 from flagserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from flagserve.engine.sequence import Sequence, SequenceStatus
 from flagserve.engine.stats import EngineStats
@@ -102,7 +102,7 @@ class LLMEngine:
                                           args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, batched, args.enable_chunked_prefill,
-                            self.max_model_len),
+                            self.max_model_len, args.scheduling_policy),
             self.block_manager)
         self.requests: dict[str, RequestState] = {}
         self.structured = StructuredOutputs(args.tokenizer or args.model, cfg.vocab_size, list(eos),
@@ -129,9 +129,11 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """`priority` (vLLM's): lower is scheduled earlier, with scheduling_policy "priority"."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_priority(priority)
         # Checked again here, not only where params are built: a value the step cannot take
         # (a seed torch cannot hold, a token id past the logits) would fail the whole batch's
         # step and kill the engine; here it fails this request only.
@@ -149,7 +151,7 @@ class LLMEngine:
                              f"at most {self.max_model_len - 1} prompt tokens leave room to generate")
         arrival = time.time() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, i, list(ids), len(ids), params, arrival,
-                         None if params.seed is None else child_seed(params.seed, i))
+                         None if params.seed is None else child_seed(params.seed, i), priority)
                 for i in range(params.n)]
         if params.prompt_logprobs is not None:
             seqs[0].prompt_logprobs = [None]
@@ -159,6 +161,14 @@ class LLMEngine:
             return
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _check_priority(self, priority: int) -> None:
+        if not is_int(priority, SEED_MIN, SEED_MAX):
+            raise ValueError(f"priority must be an integer in [-2**63, 2**63 - 1], got {priority!r}")
+        if priority and self.args.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy 'priority' (the engine "
+                             "serves first come, first served): send 0, or set "
+                             "engine_args.scheduling_policy=priority")
 
     def new_request_state(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                    seqs: list[Sequence], metrics: RequestMetrics) -> RequestState:
@@ -176,14 +186,14 @@ class LLMEngine:
     # Prefill/decode disaggregation (kv_transfer/)
 
     def add_prefill_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                            arrival_time: float | None = None) -> None:
+                            arrival_time: float | None = None, priority: int = 0) -> None:
         """add_request, then a handoff after the first token: take_handoffs() gives it, the
         transport serves its KV to a decode engine, and it has no outputs here (unless every
         sequence ended with its first token: then its final output comes as usual)."""
         if self.kv_exports is None:
             raise ValueError("add_prefill_request needs a KV transport (EngineArgs.kv_transfer)")
         check_handoff_params(params)
-        self.add_request(request_id, prompt, params, arrival_time)
+        self.add_request(request_id, prompt, params, arrival_time, priority)
         bm = self.block_manager
         try:
             check_blocks_fit(self.requests[request_id], bm.num_blocks, bm.block_size,

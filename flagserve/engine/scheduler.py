@@ -3,12 +3,17 @@
 Every step has one token budget shared by decodes and prefill chunks. Running sequences go
 first, oldest first; when the cache runs out of blocks the newest running sequence is
 preempted (its blocks freed, recomputed later, usually straight from the prefix cache). Waiting
-sequences are admitted FCFS while budget, sequence slots and blocks last.
+sequences are admitted FCFS while budget, sequence slots and blocks last. Under the priority
+policy (vLLM's) both queues are kept in (priority, arrival) order instead, so "oldest" reads
+"first in that order" everywhere above: the batch fills by priority, and the sequence preempted
+is the one of the latest priority.
 """
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
 from flagserve.engine.block_manager import BlockManager
+from flagserve.engine.engine_args import SchedulingPolicy
 from flagserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -18,6 +23,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     max_model_len: int
+    policy: SchedulingPolicy = "fcfs"
 
 
 @dataclass
@@ -41,7 +47,18 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._queue(self.waiting, seq, front=False)
+
+    def _queue(self, queue: deque[Sequence] | list[Sequence], seq: Sequence, front: bool) -> None:
+        """FCFS: at the front (a preempted sequence goes first again) or the back; priority:
+        in (priority, arrival) order."""
+        if self.config.policy == "fcfs":
+            if front:
+                queue.appendleft(seq)
+            else:
+                queue.append(seq)
+            return
+        queue.insert(bisect.bisect_right(queue, _order(seq), key=_order), seq)
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
@@ -87,7 +104,7 @@ class Scheduler:
             self.block_manager.admit(seq, hits)
             self.block_manager.append_slots(seq, num_new)  # can_admit counted its blocks
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._queue(self.running, seq, front=False)
             admitted.append(seq)
             if num_new == 1:
                 decodes.append(seq)
@@ -110,7 +127,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_sequence(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        self._queue(self.waiting, seq, front=True)
         self.num_preemptions += 1
 
     def park(self, seq: Sequence) -> None:
@@ -121,7 +138,7 @@ class Scheduler:
     def resume(self, seq: Sequence) -> None:
         """A sequence whose blocks and K/V are in place (imported) joins the running batch."""
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self._queue(self.running, seq, front=False)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and release its blocks."""
@@ -133,3 +150,7 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+def _order(seq: Sequence) -> tuple[int, float, int]:
+    return seq.priority, seq.arrival_time, seq.seq_id

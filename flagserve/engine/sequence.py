@@ -28,6 +28,7 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     seed: int | None = None  # seeded requests: the sampling runner keeps a generator from it
+    priority: int = 0  # scheduling_policy "priority": lower runs earlier
     # Imported from a prefill engine: the generator's state after the first token (resumed
     # instead of seeding afresh); exported: the state to hand over.
     generator_state: bytes | None = None

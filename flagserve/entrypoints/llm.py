@@ -39,9 +39,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. A prompt is a string, token ids, or
-        a dict {"prompt": text} / {"prompt_token_ids": ids} as vLLM's."""
+        a dict {"prompt": text} / {"prompt_token_ids": ids} as vLLM's. `priority`: one per
+        prompt, lower scheduled earlier (scheduling_policy="priority")."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -52,16 +53,19 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         engine = self.llm_engine
         order: dict[str, int] = {}
         # The CPU engine's thread tuner sets torch's count (process-wide) every step: the
         # caller's comes back after, for its own work and a later LLM's start.
         threads = torch.get_num_threads()
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            for i, (prompt, params, rank) in enumerate(zip(prompts, sampling_params, priority)):
                 request_id = f"offline-{next(self._ids)}"
                 final = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                engine.add_request(request_id, prompt, final)
+                engine.add_request(request_id, prompt, final, priority=rank)
                 order[request_id] = i
             results: list[RequestOutput | None] = [None] * len(prompts)
             with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm,

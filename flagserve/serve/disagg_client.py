@@ -46,8 +46,10 @@ class DisaggregatedEngine:
     async def info(self) -> ModelInfo:
         """The decode role's, with the context both roles take (a prompt goes through both)."""
         decode, prefill = await asyncio.gather(self.decode.info.remote(), self.prefill.info.remote())
+        # the prefill side queues and schedules arrivals: its policy is the one priority meets
         return dataclasses.replace(decode, max_model_len=min(decode.max_model_len,
-                                                             prefill.max_model_len))
+                                                             prefill.max_model_len),
+                                   scheduling_policy=prefill.scheduling_policy)
 
     async def ping(self) -> bool:
         return all(await asyncio.gather(self.prefill.ping.remote(), self.decode.ping.remote()))

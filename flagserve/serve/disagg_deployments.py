@@ -53,7 +53,8 @@ class PrefillDeployment(RoleDeployment):
         handed_off = False
         try:
             async for item in self.async_engine.prefill(request.request_id, request.prompt_token_ids,
-                                                        request.params, request.arrival_time):
+                                                        request.params, request.arrival_time,
+                                                        request.priority):
                 if isinstance(item, RequestHandoff):
                     handed_off = True
                     yield item

@@ -50,7 +50,7 @@ class EngineDeployment:
         self.metrics = EngineMetrics(self.args.kv_transfer.role if self.args.kv_transfer else None)
         self.async_engine = AsyncEngine(core, on_step=self.metrics.on_step)
         self.info_ = ModelInfo(module_id, model_name, self.args.model, core.max_model_len,
-                               core.vocab_size)
+                               core.vocab_size, self.args.scheduling_policy)
         self.metrics_hub = metrics_hub
         try:
             self.replica = serve.get_replica_context().replica_id.unique_id
@@ -65,7 +65,7 @@ class EngineDeployment:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         self._start_pusher()
         outputs = self.async_engine.generate(request.request_id, request.prompt_token_ids,
-                                             request.params, request.arrival_time)
+                                             request.params, request.arrival_time, request.priority)
         async for chunk in self.chunks(outputs, request.stream):
             yield chunk
 

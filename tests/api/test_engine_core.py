@@ -225,3 +225,30 @@ def test_step_loop_publishes_the_stats_of_a_step_that_leaves_it_idle():
     run_steps(engine, lambda _timeout: [], lambda result: published.append(result.stats),
               lambda: engine.steps >= 2)
     assert published == [2]
+
+
+def test_priority_reaches_the_engine_process(llama_path):
+    """AsyncEngine.generate(priority=) crosses the pipe: one sequence at a time, the lowest
+    priority value is served first whatever the arrival order."""
+    args = EngineArgs(model=llama_path, dtype="float32", max_model_len=256, max_num_seqs=1,
+                      cpu_kv_cache_space_gib=0.05, scheduling_policy="priority")
+    engine = AsyncEngine(EngineProcess(args))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        async def one(rid: str, priority: int) -> float:
+            async for out in engine.generate(rid, [1, 5, 9], params, priority=priority):
+                if out.finished:
+                    return out.metrics.first_scheduled_time
+            raise AssertionError(f"{rid} ended without a final output")
+
+        async def main():
+            # a first request holds the one slot while the others queue behind it
+            first = asyncio.ensure_future(one("first", 0))
+            await asyncio.sleep(0.05)
+            times = await asyncio.gather(*(one(f"p{p}", p) for p in (3, -1, 2)))
+            await first
+            return times
+        late, early, middle = asyncio.run(main())
+        assert early < middle < late
+    finally:
+        engine.shutdown()

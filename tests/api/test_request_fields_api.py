@@ -125,3 +125,11 @@ def test_chat_echo_returns_the_prefill_with_its_continuation(url):
     asked = {**body, "messages": messages[:1], "add_generation_prompt": True, "continue_final_message": False}
     assert post(url, "/v1/chat/completions", **asked, echo=True).json()["choices"][0]["message"]["content"] \
         == post(url, "/v1/chat/completions", **asked).json()["choices"][0]["message"]["content"]
+
+
+def test_priority_needs_the_engines_priority_policy(url):
+    """This server's engine schedules first come, first served: only 0, as vLLM's."""
+    assert chat(url, priority=0, max_tokens=1).status_code == 200
+    r = chat(url, priority=3, max_tokens=1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    assert "scheduling_policy 'priority'" in r.json()["error"]["message"]

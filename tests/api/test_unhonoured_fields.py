@@ -24,7 +24,6 @@ REFUSED = [  # request, extra fields, the param named, a word of the message
     (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction", "predicted"),
     (CHAT, {"web_search_options": {}}, "web_search_options", "not supported"),
     (CHAT, {"reasoning_effort": "extreme"}, "reasoning_effort", "Input should be"),
-    (CHAT, {"priority": 1}, "priority", "first come, first served"),
     (CHAT, {"continue_final_message": True}, "continue_final_message", "cannot both be true"),
     (CHAT, {"verbosity": "low"}, "verbosity", "not supported"),
     (CHAT, {"guided_json": {"type": "object"}}, "guided_json", "structured_outputs.json"),

@@ -50,7 +50,7 @@ class FakeEngine:
     def shutdown(self):
         pass
 
-    def add_request(self, rid, prompt, params, arrival_time=None):
+    def add_request(self, rid, prompt, params, arrival_time=None, priority=0):
         if not prompt:
             raise ValueError("the prompt is empty")
         self.requests[rid] = 0

@@ -29,6 +29,7 @@ class AddRequest:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int = 0
 
 
 @dataclass
@@ -93,7 +94,8 @@ def apply_commands(engine: Any, commands: list[Command]
                 engine.import_request(command.handoff)
                 continue
             add = engine.add_prefill_request if isinstance(command, PrefillRequest) else engine.add_request
-            add(command.request_id, command.prompt, command.params, command.arrival_time)
+            add(command.request_id, command.prompt, command.params, command.arrival_time,
+                command.priority)
         except Exception as err:  # noqa: BLE001 - handed to the caller of generate()
             request_id = command.handoff.request_id if isinstance(command, ImportRequest) \
                 else command.request_id

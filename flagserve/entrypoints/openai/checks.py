@@ -53,6 +53,16 @@ def _check_count(value: int | None, field: str) -> None:
         raise OpenAIError(400, f"{field} must be in [0, {MAX_LOGPROBS}]", field)
 
 
+def check_priority(req: Any, info: ModelInfo) -> None:
+    """vLLM's rule: a priority other than 0 needs the priority policy (else it would be unused)."""
+    if not -2**63 <= req.priority < 2**63:
+        raise OpenAIError(400, "priority must be an integer in [-2**63, 2**63 - 1]", "priority")
+    if req.priority and info.scheduling_policy != "priority":
+        raise OpenAIError(400, f"priority {req.priority} needs the engine's scheduling_policy "
+                          "'priority'; this model serves first come, first served (send 0)",
+                          "priority")
+
+
 def check_list_lengths(body: dict[str, Any], limits: ApiLimits, max_model_len: int) -> None:
     """On the raw body, before pydantic validates every element of a list (on the event loop:
     1.4 s for the 520k chat messages a 16 MiB body holds): a prompt list longer than a batch

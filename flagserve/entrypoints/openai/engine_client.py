@@ -21,6 +21,7 @@ class EngineRequest:
     params: SamplingParams
     stream: bool  # False: the engine sends one chunk, when the request finishes
     arrival_time: float
+    priority: int = 0  # lower is scheduled earlier (scheduling_policy "priority")
 
 
 @dataclass
@@ -39,6 +40,7 @@ class ModelInfo:
     model_path: str
     max_model_len: int
     vocab_size: int  # token ids a request may name (the tokenizer's, within the model's)
+    scheduling_policy: str = "fcfs"
 
 
 class EngineClient(Protocol):

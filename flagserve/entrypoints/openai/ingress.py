@@ -37,6 +37,7 @@ from flagserve.entrypoints.openai.checks import (
     check_completion,
     check_limits,
     check_list_lengths,
+    check_priority,
     check_token_ids,
 )
 from flagserve.entrypoints.openai.drain import Drain
@@ -356,6 +357,7 @@ class OpenAIIngress:
     async def completions(self, request: Request) -> Response:
         req, route, info = await self._prepare(request, CompletionRequest)
         check_completion(req)
+        check_priority(req, info)
         prompts = req.prompts()
         check_limits(req, self.limits, len(prompts))
         # every value, before tokenizing
@@ -369,7 +371,8 @@ class OpenAIIngress:
             max_tokens = check_budget(info, len(ids), req.engine_max_tokens, "prompt",
                                       self.limits.max_tokens, req.max_tokens_field)
             params = self._sampling(req, max_tokens, req.logprobs, info)
-            requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.stream, time.time()))
+            requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.stream, time.time(),
+                                          req.priority))
         stream = await self._start(route, requests)
         if req.echo_only:
             stream = prompt_only(stream)
@@ -382,6 +385,7 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request) -> Response:
         req, route, info = await self._prepare(request, ChatCompletionRequest)
         top = check_chat(req)
+        check_priority(req, info)
         check_limits(req, self.limits)
         # every value, before tokenizing
         first = self._sampling(req, req.requested_max_tokens, top, info)
@@ -393,7 +397,8 @@ class OpenAIIngress:
                                   self.limits.max_tokens, req.max_tokens_field)
         params = self._sampling(req, max_tokens, top, info)
         rid = f"chatcmpl-{uuid.uuid4().hex}"  # the engine's id: unique whatever the client sends
-        stream = await self._start(route, [EngineRequest(rid, ids, params, req.stream, time.time())])
+        stream = await self._start(route, [EngineRequest(rid, ids, params, req.stream, time.time(),
+                                                         req.priority)])
         header = Header(req.response_id(rid), req.model or route.names[0])
         fmt = ChatFormat(header, req.n, top, self._tool_output(route, req), ids, req.return_token_ids,
                          req.echoed_text)

@@ -83,19 +83,11 @@ class _Request(OutputNeutral):
     truncation_side: Literal["left", "right"] = "left"
     # vLLM's: the response's id is <cmpl or chatcmpl>-<request_id>; the engine's ids stay unique
     request_id: str | None = Field(None, min_length=1, max_length=256)
-    # vLLM's: requests are served first come, first served, so only 0 (vLLM's default
-    # scheduling policy refuses other values too)
+    # vLLM's: lower is scheduled earlier, where the engine's scheduling_policy is "priority"
+    # (checks.check_priority); under first come, first served only 0, as vLLM's
     priority: StrictInt = 0
     # vLLM's: the prompt's and each choice's token ids in the response (RL frameworks read them)
     return_token_ids: StrictBool = False
-
-    @field_validator("priority")
-    @classmethod
-    def _first_come_first_served(cls, value: int) -> int:
-        if value != 0:
-            raise ValueError("priority scheduling is not enabled: requests are served first come, "
-                             "first served (send priority 0, or leave it out)")
-        return value
 
     def response_id(self, engine_id: str) -> str:
         """The client's request_id under the engine id's prefix (cmpl, chatcmpl), else that id."""
