@@ -10,18 +10,19 @@ Every mapping that changes meaning is reported as a note, never applied silently
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, get_args
 
 from flagserve.config.errors import ConfigError
 from flagserve.config.flagscale_disagg import map_disaggregation
 from flagserve.config.schema import DeployConfig
+from flagserve.engine.engine_args import LoadFormat
 
 # vLLM server/engine flags FlagScale configs carry that have no counterpart here: accepted
 # so such a YAML runs, and listed in a note.
 VLLM_IGNORED = frozenset({
     "trust_remote_code", "uvicorn_log_level", "disable_log_requests",
     "disable_log_stats", "compilation_config", "distributed_executor_backend",
-    "disable_custom_all_reduce", "load_format", "swap_space", "enable_log_requests",
+    "disable_custom_all_reduce", "swap_space", "enable_log_requests",
 })
 # vLLM names whose FlagServe meaning lives elsewhere in the experiment.
 SERVER_ARGS = {"host": "host", "port": "port", "api_key": "api_key"}
@@ -108,6 +109,8 @@ def _normalize_engine_args(module_id: str, args: dict[str, Any], names: set[str]
             entry.setdefault("model_name", value)
         elif key in VLLM_IGNORED:
             ignored.append(key)
+        elif key == "load_format" and value not in get_args(LoadFormat):
+            ignored.append(f"load_format={value}")  # vLLM's file formats: read by format here
         else:
             out[key] = value
     if ignored:

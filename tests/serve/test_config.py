@@ -488,3 +488,16 @@ def test_the_schema_defaults_are_conf_serve_yaml_s():
             differ.append(path)
     walk(written["experiment"], defaults["experiment"], "experiment")
     assert sorted(differ) == ["experiment.exp_dir", "experiment.exp_name"], differ
+
+
+def test_load_format_reaches_the_engine_and_vllm_formats_are_noted():
+    """auto | dummy are EngineArgs' own; vLLM's file formats (safetensors, pt) are noted and
+    dropped: the engine reads the format the checkpoint has."""
+    def module(value):
+        engine_args = {"model": "/m", "load_format": value}
+        config, notes = parse_config({"serve": {"llm": {"engine_args": engine_args}}})
+        return config.llms["llm"].engine_args, notes
+    args, notes = module("dummy")
+    assert args["load_format"] == "dummy" and not notes
+    args, notes = module("safetensors")
+    assert "load_format" not in args and any("load_format=safetensors" in n for n in notes), notes
