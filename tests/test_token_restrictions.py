@@ -124,3 +124,18 @@ def test_ids_past_the_vocabulary_are_refused(llm):
     vocab = llm.llm_engine.model_config.vocab_size
     with pytest.raises(ValueError, match=r"SamplingParams\.allowed_token_ids .*vocabulary size"):
         llm.generate(PROMPTS[:1], greedy(allowed_token_ids=[1, vocab]), use_tqdm=False)
+
+
+def test_an_allowed_set_that_bans_leave_empty_wins_over_them(llm):
+    """allowed_token_ids is a hard limit: where min_tokens or a bad word bans all of it, the
+    bans give way for that row (before: every logit -inf, and token 0 came out)."""
+    tok = llm.get_tokenizer()
+    eos = tok.eos_token_id
+    out = llm.generate(PROMPTS[:1], greedy(allowed_token_ids=[eos], min_tokens=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] * NEW
+    word = tok.encode(" the", add_special_tokens=False)
+    assert len(word) == 1
+    out = llm.generate(PROMPTS[:1], greedy(allowed_token_ids=word, bad_words=["the"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) == set(word)

@@ -174,9 +174,10 @@ def apply_allowed_token_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch
 
 def apply_bans_and_grammar(logits: torch.Tensor, batch: SamplingBatch,
                            apply_token_bitmask: Callable = apply_token_bitmask_torch) -> torch.Tensor:
-    """Bans (min_tokens, bad words) and allowed_token_ids, then the grammar. Where together they
-    leave a row nothing (a grammar that may only end, and EOS banned), the grammar wins: a token
-    outside it would break the output."""
+    """Bans (min_tokens, bad words), then allowed_token_ids, then the grammar, each a hard
+    limit over the one before: where one leaves a row nothing (a grammar or an allowed set that
+    may only end, and EOS banned), the rows' earlier limits give way, as a token outside it
+    would break the output."""
     before = logits
     if batch.banned_token_ids is not None:
         logits = logits.clone()
@@ -184,14 +185,19 @@ def apply_bans_and_grammar(logits: torch.Tensor, batch: SamplingBatch,
             if banned:
                 logits[row, banned] = float("-inf")
     if batch.allowed_token_ids is not None:
-        logits = apply_allowed_token_ids(logits, batch)
+        banned, before = logits, apply_allowed_token_ids(before, batch)
+        logits = _unless_empty(apply_allowed_token_ids(banned, batch), before)
     if batch.token_bitmask is None:
         return logits
     masked = apply_token_bitmask(logits, batch.token_bitmask)
     if batch.banned_token_ids is None and batch.allowed_token_ids is None:
         return masked
-    empty = torch.isneginf(masked).all(-1, keepdim=True)
-    return torch.where(empty, apply_token_bitmask(before, batch.token_bitmask), masked)
+    return _unless_empty(masked, apply_token_bitmask(before, batch.token_bitmask))
+
+
+def _unless_empty(limited: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """`limited`'s rows, but `fallback`'s where `limited` left a row no token."""
+    return torch.where(torch.isneginf(limited).all(-1, keepdim=True), fallback, limited)
 
 
 def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Generator] | None,

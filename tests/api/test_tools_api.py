@@ -67,10 +67,11 @@ def test_a_named_function_is_the_call(url):
     assert [c["function"]["name"] for c in checked_calls(r.json()["choices"][0], "stop")] == ["pick"]
 
 
-def test_empty_parameters_take_an_object(url):
-    """`{}` admits any JSON value: a call's arguments are an object all the same (vLLM's and
-    OpenAI's reading). Sampled, several choices."""
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+@pytest.mark.parametrize("parameters", [{}, {"description": "no arguments"}], ids=["empty", "no-type"])
+def test_parameters_without_a_type_take_an_object(url, parameters):
+    """`{}` or a schema without a type admits any JSON value: a call's arguments are an object
+    all the same (vLLM's and OpenAI's reading). Sampled, several choices."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
     for choice in ("required", {"type": "function", "function": {"name": "f"}}):
         r = chat(url, tools=tools, tool_choice=choice, n=4, temperature=1.0, seed=7, max_tokens=40)
         assert r.status_code == 200, r.text
@@ -188,3 +189,14 @@ def test_openai_client_gets_a_parsable_call_from_smollm2():
     call = choice.message.tool_calls[0]
     assert choice.finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), weather)
+
+
+def test_streamed_token_ids_of_held_calls_join_into_the_whole_answers(url):
+    """return_token_ids while `required` holds its calls until they are whole: every token's
+    id is sent all the same."""
+    body = dict(tools=TOOLS, tool_choice="required", max_tokens=30, seed=1, temperature=1.0,
+                return_token_ids=True)
+    whole = chat(url, **body).json()["choices"][0]
+    streamed = [c for e in events(chat(url, **body, stream=True)) for c in e]
+    assert [t for c in streamed for t in c.get("token_ids", [])] == whole["token_ids"]
+    assert len(whole["token_ids"]) > 1

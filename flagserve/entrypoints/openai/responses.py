@@ -298,8 +298,8 @@ class ChatFormat:
         if self.tools is not None:
             out = self.outputs.setdefault(d.index, self.tools())
             delta, reason = stream_step(out, d.text, reason)
-            if not delta and reason is None and lp is None:
-                return None
+            if not delta and reason is None and lp is None and (self.ids is None or not d.token_ids):
+                return None  # a call being held, and nothing per token to send meanwhile
         return {"index": d.index, "delta": delta,
                 "logprobs": {"content": lp} if lp is not None else None,
                 "finish_reason": reason, "stop_reason": d.stop_reason, **self._token_ids(d)}

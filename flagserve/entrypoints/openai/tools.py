@@ -72,9 +72,16 @@ def tool_mode(tools: list[ToolDef] | None, choice: ToolChoice | None) -> ToolMod
 
 
 def _parameters(tool: ToolDef) -> dict[str, Any]:
-    """The schema a call's arguments follow. `{}` admits any JSON value (a number for
-    arguments): an object, as vLLM and OpenAI read it."""
-    return tool.function.parameters or ANY_OBJECT
+    """The schema a call's arguments follow: an object, as OpenAI and vLLM read it. A schema
+    without a `type` admits any JSON value (a number for arguments) unless its keywords imply
+    an object; one that combines or refers to others is left whole (a type beside them would
+    be a constraint beside a $ref, params.py)."""
+    params = tool.function.parameters
+    if not params:
+        return ANY_OBJECT
+    if "type" in params or any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf")):
+        return params
+    return {**params, "type": "object"}
 
 
 def calls_schema(tools: list[ToolDef], parallel: bool) -> dict[str, Any]:
