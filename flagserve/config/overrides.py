@@ -59,11 +59,16 @@ def override_error(err: Exception, overrides: list[str] = ()) -> ConfigError:
     cause = err.__cause__
     full_key = getattr(cause, "full_key", None)
     if full_key and "not in struct" in str(cause):
-        *parent, key = str(full_key).split(".")
+        # OmegaConf writes list items as serve[0]: the command line reaches them as serve.0
+        full_key = re.sub(r"\[(\d+)\]", r".\1", str(full_key))
+        *parent, key = full_key.split(".")
         known = known_keys(parent)
         if known is None or key in known:  # a schema key, or one of a free-form mapping (envs)
-            return ConfigError(str(full_key), "is not listed in this config file",
-                               f"add it with +{full_key}=<value>")
+            # the override as typed where it reaches below the missing key (a section's field)
+            typed = next((k for o in overrides if (k := o.lstrip("+~").partition("=")[0])
+                          .startswith(f"{full_key}.")), full_key)
+            return ConfigError(full_key, "is not listed in this config file",
+                               f"add it with +{typed}=<value>")
         return unknown_key_error(".".join(parent), key, known)
     first, _, rest = text.partition("\n")
     if type(err).__name__ == "MissingConfigException":  # a config group option, or the file

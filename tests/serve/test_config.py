@@ -358,6 +358,12 @@ def test_schema_keys_missing_from_a_file_name_the_plus_form():
         "  fix: add it with +serve.llm.engine_args.seed=<value>")
     cause.full_key = "experiment.envs.FOO"  # a free-form mapping: the same fix, not a did-you-mean
     assert str(override_error(err)).endswith("fix: add it with +experiment.envs.FOO=<value>")
+    # FlagScale's list form: OmegaConf's serve[0] as the command line types it, and the fix
+    # reaches down to the field the override sets
+    cause.full_key = "serve[0].resources"
+    error = override_error(err, ["serve.0.resources.num_replicas=2"])
+    assert error.key == "serve.0.resources"
+    assert error.fix == "add it with +serve.0.resources.num_replicas=<value>"
 
 
 def test_an_override_hydra_cannot_parse_gets_the_quoting_fix():
