@@ -73,3 +73,13 @@ def test_bad_values_name_the_field(url, field, value):
     got = complete(url, prompt=PROMPT, max_tokens=2, **{field: value})
     assert got.status_code == 400, got.text
     assert got.json()["error"]["param"] == field, got.text
+
+
+def test_unsent_max_tokens_is_a_cap_on_what_the_window_leaves(url):
+    """Completions' default of 16, not sent, does not refuse a prompt cut to fit (vLLM's)."""
+    got = complete(url, prompt=list(range(10, 610)), truncate_prompt_tokens=-1)
+    assert got.status_code == 200, got.text
+    assert got.json()["usage"]["completion_tokens"] == 1
+    assert complete(url, prompt=PROMPT).json()["usage"]["completion_tokens"] == 16
+    sent = complete(url, prompt=list(range(10, 610)), truncate_prompt_tokens=-1, max_tokens=16)
+    assert sent.status_code == 400 and sent.json()["error"]["param"] == "max_tokens", sent.text

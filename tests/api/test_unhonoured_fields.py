@@ -170,3 +170,9 @@ def test_best_of_equal_to_n_and_echo_are_served():
     for extra in ({"best_of": 1}, {"n": 3, "best_of": 3}, {"echo": False, "suffix": "", "logit_bias": {}},
                   {"echo": True, "logprobs": 1, "prompt_logprobs": 2}):
         check_completion(parse_request(CompletionRequest, {"prompt": "hi", **extra}))
+
+
+def test_null_stays_null_where_the_field_holds_it():
+    """Completions' `max_tokens: null` asks for what the context leaves (vLLM's), not 16."""
+    assert parse_request(CompletionRequest, {"prompt": "hi", "max_tokens": None}).max_tokens is None
+    assert parse_request(CompletionRequest, {"prompt": "hi"}).max_tokens == 16

@@ -368,8 +368,8 @@ class OpenAIIngress:
         header = Header(req.response_id(rid), req.model or route.names[0])
         requests = []
         for i, ids in enumerate(token_ids):
-            max_tokens = check_budget(info, len(ids), req.engine_max_tokens, "prompt",
-                                      self.limits.max_tokens, req.max_tokens_field)
+            asked, cap = req.budget(self.limits.max_tokens)
+            max_tokens = check_budget(info, len(ids), asked, "prompt", cap, req.max_tokens_field)
             params = self._sampling(req, max_tokens, req.logprobs, info)
             requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.stream, time.time(),
                                           req.priority))

@@ -174,6 +174,14 @@ class CompletionRequest(_Request):
         response: the engine samples at least one), else max_tokens."""
         return 1 if self.echo_only else self.max_tokens
 
+    def budget(self, cap: int | None) -> tuple[int | None, int | None]:
+        """check_budget's (max_tokens, cap): the default of 16, not sent, is a cap on what
+        the context leaves rather than a request for 16 (vLLM's), so a prompt cut to fit
+        (truncate_prompt_tokens: -1) is served."""
+        if "max_tokens" in self.model_fields_set:
+            return self.engine_max_tokens, cap
+        return None, min(self.max_tokens, cap or self.max_tokens)
+
     @property
     def engine_prompt_logprobs(self) -> int | None:
         """vLLM's rule: echo with logprobs scores the echoed prompt as deeply as the output,

@@ -8,7 +8,7 @@ in what is generated, so they are accepted and unused.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, StrictBool, field_validator, model_validator
 
@@ -29,10 +29,11 @@ RENAMED = {"guided_json": "structured_outputs.json", "guided_regex": "structured
 
 
 class Strict(BaseModel):
-    """Unknown fields refused; a null where the field's default is not null reads as that
+    """Unknown fields refused; a null in an optional field that cannot hold one reads as its
     default. OpenAI's optional fields are nullable and clients send null for "not set" (the
-    official one for an argument given as None), as vLLM takes it; a required one stays
-    required."""
+    official one for an argument given as None), as vLLM takes it; a field whose type holds
+    null keeps it (completions' `max_tokens: null`: up to the context), and a required one
+    stays required."""
     model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
@@ -43,7 +44,11 @@ class Strict(BaseModel):
         fields = cls.model_fields
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or fields[k].is_required()
-                or fields[k].default is None}
+                or _holds_null(fields[k].annotation)}
+
+
+def _holds_null(annotation: Any) -> bool:
+    return annotation is Any or type(None) in get_args(annotation)
 
 
 class OutputNeutral(Strict):
