@@ -18,6 +18,9 @@ AttentionBackend = Literal["auto", "torch", "triton"]
 # fcfs: requests in arrival order; priority (vLLM's): a request's priority first (lower is
 # earlier), then arrival; the running sequence of the latest priority is preempted first
 SchedulingPolicy = Literal["fcfs", "priority"]
+# auto (vLLM's): the model's generation_config.json sets the sampling defaults of requests that
+# leave them unset (LLM.get_default_sampling_params); vllm: SamplingParams' own defaults
+GenerationConfig = Literal["auto", "vllm"]
 # vLLM's load_format: "auto" reads the checkpoint; "dummy" draws random weights on the device
 # from the model's config alone (benchmarks of a shape without its checkpoint).
 LoadFormat = Literal["auto", "dummy"]
@@ -48,6 +51,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
+    generation_config: GenerationConfig = "auto"
     attention_backend: AttentionBackend = "auto"
     load_format: LoadFormat = "auto"
     seed: int = 0

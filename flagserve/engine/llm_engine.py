@@ -89,6 +89,8 @@ class LLMEngine:
             raise ValueError(f"EngineArgs.max_num_batched_tokens={batched} is smaller than max_model_len="
                              f"{self.max_model_len}: without chunked prefill a whole prompt must fit "
                              "in one step; raise it or enable_chunked_prefill=True")
+        # what requests that leave a sampling field unset get: the model's, or SamplingParams'
+        self.sampling_defaults = cfg.sampling_defaults_for(args.generation_config)
         eos = cfg.eos_token_ids or ((self.tokenizer.eos_token_id,)
                                     if self.tokenizer.eos_token_id is not None else ())
         self.eos_token_ids = frozenset(eos)

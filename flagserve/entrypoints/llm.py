@@ -37,6 +37,13 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() sample with when given none: the model's
+        generation_config.json (temperature, top_p, top_k, min_p, the penalties, max_new_tokens)
+        over SamplingParams' defaults, as vLLM's (EngineArgs.generation_config "vllm": those
+        defaults alone)."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
+
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
@@ -48,7 +55,7 @@ class LLM:
             prompts = [prompts]
         prompts = [_plain(p) for p in prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -1,9 +1,9 @@
 """The fields of a model that the decoder needs, read and checked in one place: from an HF
 directory's config.json here, from a GGUF file's metadata in gguf.py."""
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from flagserve.layers.rope import RopeConfig, RopeType
 from flagserve.models.architectures import HF_ARCHITECTURES
@@ -35,6 +35,13 @@ class ModelConfig:
     checkpoint_format: ModelFormat = "hf"
     o_proj_bias: bool = False  # Llama's and Qwen3's attention_bias puts one on o_proj too
     window_capped: bool = False  # max_position_embeddings is the sliding window (Mistral)
+    # generation_config.json's sampling fields (SamplingParams names): what vLLM's
+    # generation_config "auto" makes the defaults of requests that leave them unset
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+
+    def sampling_defaults_for(self, generation_config: str) -> dict[str, Any]:
+        """EngineArgs.generation_config "auto": the model's; "vllm": none (SamplingParams')."""
+        return dict(self.sampling_defaults) if generation_config == "auto" else {}
 
     @property
     def positions_text(self) -> str:
@@ -90,13 +97,25 @@ def _rope_config(cfg: dict) -> RopeConfig:
     return RopeConfig(theta=float(theta), rope_type=rope_type, **fields)
 
 
-def _eos_ids(model_dir: Path, cfg: dict) -> tuple[int, ...]:
+# generation_config.json's sampling defaults, as vLLM reads them (its generation_config "auto")
+SAMPLING_DEFAULT_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty",
+                         "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+
+
+def _generation_config(model_dir: Path) -> dict:
+    path = model_dir / "generation_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _sampling_defaults(generation: dict) -> dict[str, Any]:
+    """SamplingParams' fields the model's authors set (HF's max_new_tokens is max_tokens)."""
+    return {("max_tokens" if k == "max_new_tokens" else k): generation[k]
+            for k in SAMPLING_DEFAULT_KEYS if generation.get(k) is not None}
+
+
+def _eos_ids(generation: dict, cfg: dict) -> tuple[int, ...]:
     ids: list[int] = []
-    gen_path = model_dir / "generation_config.json"
-    sources = [cfg]
-    if gen_path.exists():
-        sources.insert(0, json.loads(gen_path.read_text()))
-    for source in sources:
+    for source in (generation, cfg):
         eos = source.get("eos_token_id")
         for token in ([eos] if isinstance(eos, int) else eos or []):
             if token not in ids:
@@ -124,6 +143,7 @@ def load_model_config(model: str | Path) -> ModelConfig:
         raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}: "
                                 "point `model` at a local HF model directory or a .gguf file")
     cfg = json.loads(path.read_text())
+    generation = _generation_config(model_dir)
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:
@@ -166,6 +186,7 @@ def load_model_config(model: str | Path) -> ModelConfig:
         mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-        eos_token_ids=_eos_ids(model_dir, cfg),
+        eos_token_ids=_eos_ids(generation, cfg),
         bos_token_id=cfg.get("bos_token_id"),
+        sampling_defaults=_sampling_defaults(generation),
     )

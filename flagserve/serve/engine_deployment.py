@@ -27,6 +27,7 @@ from flagserve.engine.cpu_runtime import quiet_host_process, serial_tokenizers
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.outputs import RequestOutput, merge_deltas
 from flagserve.entrypoints.openai.engine_client import EngineChunk, EngineRequest, ModelInfo
+from flagserve.models.config import load_model_config
 from flagserve.serve.metrics import EngineMetrics
 from flagserve.serve.metrics_hub import push_forever, start_pusher
 
@@ -49,8 +50,9 @@ class EngineDeployment:
         core = make_core(self.args, engine_core, own_start)
         self.metrics = EngineMetrics(self.args.kv_transfer.role if self.args.kv_transfer else None)
         self.async_engine = AsyncEngine(core, on_step=self.metrics.on_step)
+        defaults = load_model_config(self.args.model).sampling_defaults_for(self.args.generation_config)
         self.info_ = ModelInfo(module_id, model_name, self.args.model, core.max_model_len,
-                               core.vocab_size, self.args.scheduling_policy)
+                               core.vocab_size, self.args.scheduling_policy, defaults)
         self.metrics_hub = metrics_hub
         try:
             self.replica = serve.get_replica_context().replica_id.unique_id

@@ -233,17 +233,17 @@ def test_priority_reaches_the_engine_process(llama_path):
     args = EngineArgs(model=llama_path, dtype="float32", max_model_len=256, max_num_seqs=1,
                       cpu_kv_cache_space_gib=0.05, scheduling_policy="priority")
     engine = AsyncEngine(EngineProcess(args))
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     try:
-        async def one(rid: str, priority: int) -> float:
-            async for out in engine.generate(rid, [1, 5, 9], params, priority=priority):
+        async def one(rid: str, priority: int, max_tokens: int = 4) -> float:
+            asked = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            async for out in engine.generate(rid, [1, 5, 9], asked, priority=priority):
                 if out.finished:
                     return out.metrics.first_scheduled_time
             raise AssertionError(f"{rid} ended without a final output")
 
         async def main():
-            # a first request holds the one slot while the others queue behind it
-            first = asyncio.ensure_future(one("first", 0))
+            # a first request holds the one slot (long enough) while the others queue behind it
+            first = asyncio.ensure_future(one("first", 0, max_tokens=200))
             await asyncio.sleep(0.05)
             times = await asyncio.gather(*(one(f"p{p}", p) for p in (3, -1, 2)))
             await first

@@ -7,7 +7,7 @@ and hands the ingress an EngineClient either way (flagserve/serve/engine_clients
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from flagserve.engine.outputs import CompletionOutput, PromptLogprobs
@@ -41,6 +41,8 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int  # token ids a request may name (the tokenizer's, within the model's)
     scheduling_policy: str = "fcfs"
+    # the model's generation_config.json sampling fields: defaults of what a request leaves unset
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineClient(Protocol):

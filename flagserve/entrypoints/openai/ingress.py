@@ -278,7 +278,7 @@ class OpenAIIngress:
     @staticmethod
     def _sampling(req: Any, max_tokens: int | None, logprobs: int | None, info: ModelInfo) -> Any:
         try:
-            params = req.sampling_params(max_tokens, logprobs)
+            params = req.sampling_params(max_tokens, logprobs, info.sampling_defaults)
             params.check_vocab(info.vocab_size)
             params.check_context(info.max_model_len)
         except ValueError as err:
@@ -394,7 +394,8 @@ class OpenAIIngress:
         ids = await self._encode_chat(route, req, most)
         ids = first.truncated(ids, info.max_model_len)
         max_tokens = check_budget(info, len(ids), req.requested_max_tokens, "messages",
-                                  self.limits.max_tokens, req.max_tokens_field)
+                                  _least(self.limits.max_tokens, info.sampling_defaults.get("max_tokens")),
+                                  req.max_tokens_field)
         params = self._sampling(req, max_tokens, top, info)
         rid = f"chatcmpl-{uuid.uuid4().hex}"  # the engine's id: unique whatever the client sends
         stream = await self._start(route, [EngineRequest(rid, ids, params, req.stream, time.time(),
@@ -449,3 +450,8 @@ class OpenAIIngress:
         return JSONResponse({**self.tokenizer_infos[route.module_id],
                              "model_max_length": (await self._info(route)).max_model_len,
                              "model": model or route.names[0]})
+
+
+def _least(*caps: int | None) -> int | None:
+    """The tightest of the caps set (None: none is)."""
+    return min((c for c in caps if c is not None), default=None)

@@ -49,6 +49,12 @@ class StreamOptions(Strict):
         return "every" if self.continuous_usage_stats else "last"
 
 
+# The sampling fields a model's generation_config.json may default (vLLM's list; its
+# max_new_tokens caps max_tokens where a request leaves that unset: the ingress's budget).
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty")
+
+
 # Numbers as JSON numbers (an int too), not strings or booleans that lax parsing would take.
 class _Request(OutputNeutral):
     model: str | None = None  # None: the only (or first) served model
@@ -100,15 +106,15 @@ class _Request(OutputNeutral):
         """SamplingParams.prompt_logprobs: what the engine must score of the prompt."""
         return self.prompt_logprobs
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the SamplingParams field when a value is out of range."""
-        optional = {k: v for k, v in dict(temperature=self.temperature, top_p=self.top_p,
-                                          top_k=self.top_k, min_p=self.min_p,
-                                          repetition_penalty=self.repetition_penalty).items()
-                    if v is not None}
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Raises ValueError naming the SamplingParams field when a value is out of range.
+        `defaults`: the model's (generation_config.json) for the sampling fields not sent."""
+        sent = {k: getattr(self, k) for k in DEFAULTED if getattr(self, k) is not None
+                and k in self.model_fields_set}
+        chosen = {**{k: v for k, v in (defaults or {}).items() if k in DEFAULTED}, **sent}
         return SamplingParams(
-            n=self.n, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
+            n=self.n, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             logprobs=logprobs, prompt_logprobs=self.engine_prompt_logprobs,
@@ -116,7 +122,7 @@ class _Request(OutputNeutral):
             structured_outputs=self.output_constraint(), logit_bias=token_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side,
-            **optional)
+            **chosen)
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         return constraint(self.response_format, self.structured_outputs)
