@@ -24,6 +24,21 @@ VLLM_IGNORED = frozenset({
     "disable_log_stats", "compilation_config", "distributed_executor_backend",
     "disable_custom_all_reduce", "swap_space", "enable_log_requests",
 })
+# vLLM engine args taken where set to what FlagServe does anyway (another value is an error:
+# EngineArgs has no such field).
+VLLM_NEUTRAL: dict[str, Any] = {
+    "quantization": None, "revision": None, "tokenizer_revision": None, "download_dir": None,
+    "enable_lora": False, "data_parallel_size": 1, "kv_cache_dtype": "auto",
+    "tokenizer_mode": "auto", "hf_overrides": None, "num_gpu_blocks_override": None,
+}
+
+
+def vllm_only(key: str, value: Any) -> bool:
+    """Whether `key` is a vLLM engine arg FlagServe takes and drops: one that changes no output
+    here (VLLM_IGNORED), or one set to FlagServe's own behaviour (VLLM_NEUTRAL)."""
+    return key in VLLM_IGNORED or (key in VLLM_NEUTRAL and value == VLLM_NEUTRAL[key])
+
+
 # vLLM names whose FlagServe meaning lives elsewhere in the experiment.
 SERVER_ARGS = {"host": "host", "port": "port", "api_key": "api_key"}
 RENAMED = {"model_tag": "model", "tokenizer_path": "tokenizer"}
@@ -107,7 +122,7 @@ def _normalize_engine_args(module_id: str, args: dict[str, Any], names: set[str]
             deploy_moves[SERVER_ARGS[key]] = (f"serve.{module_id}.engine_args.{key}", value)
         elif key == "served_model_name":
             entry.setdefault("model_name", value)
-        elif key in VLLM_IGNORED:
+        elif vllm_only(key, value):
             ignored.append(key)
         elif key == "load_format" and value not in get_args(LoadFormat):
             ignored.append(f"load_format={value}")  # vLLM's file formats: read by format here

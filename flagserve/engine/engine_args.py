@@ -27,6 +27,7 @@ LoadFormat = Literal["auto", "dummy"]
 
 
 DEVICE_INDEX = re.compile(r"cuda:\d+")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings (a torch.dtype too)
 
 
 def _check(ok: object, name: str, message: str) -> None:
@@ -84,8 +85,10 @@ class EngineArgs:
                f"must be a tokenizer directory or .gguf file path, got {self.tokenizer!r}")
         _check(self.device in ("auto", "cpu", "cuda") or DEVICE_INDEX.fullmatch(str(self.device)),
                "device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        self.dtype = DTYPE_ALIASES.get(str(self.dtype), str(self.dtype).removeprefix("torch."))
         for name, mode in (("dtype", Dtype), ("attention_backend", AttentionBackend),
-                           ("load_format", LoadFormat)):
+                           ("load_format", LoadFormat), ("scheduling_policy", SchedulingPolicy),
+                           ("generation_config", GenerationConfig)):
             value = getattr(self, name)
             _check(value in get_args(mode), name, f"must be one of {get_args(mode)}, got {value!r}")
         self._check_sizes()

@@ -4,8 +4,9 @@ The offline `LLM` loops over step(); the server drives the same loop from an asy
 """
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from flagserve.engine.bad_words import bad_words_token_ids
 from flagserve.engine.block_manager import BlockManager
@@ -27,6 +28,7 @@ from flagserve.engine.outputs import (
     logprob_entry,
 )
 from flagserve.engine.prompt_logprobs import record_prompt_scores
+from flagserve.engine.prompts import prompt_fields
 from flagserve.engine.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams, is_int
 from flagserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from flagserve.engine.sequence import Sequence, SequenceStatus
@@ -119,20 +121,33 @@ class LLMEngine:
 
     # Requests
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        """A text, token ids, or vLLM's TextPrompt / TokensPrompt dict (a TokensPrompt's
+        `prompt` text is kept for the outputs)."""
+        if isinstance(prompt, dict):
+            text, ids = prompt_fields(prompt)
+            return (text, self.tokenizer.encode(text)) if ids is None else (text, self._ids(ids))
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt is a string, token ids or a dict, got {type(prompt).__name__}")
+        return None, self._ids(prompt)
+
+    def _ids(self, prompt: list[int]) -> list[int]:
         ids = list(prompt)
         vocab = self.prompt_vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), the tokenizer's "
                              f"vocabulary; got {bad[:5]}")
-        return None, ids
+        return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """`priority` (vLLM's): lower is scheduled earlier, with scheduling_policy "priority"."""
+        """`prompt`: a text, token ids, or vLLM's prompt dict; `priority` (vLLM's): lower is
+        scheduled earlier, with scheduling_policy "priority"."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_priority(priority)
@@ -254,6 +269,23 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or (self.kv_exports is not None and self.kv_exports.busy)
+
+    # vLLM's names for the same
+    has_unfinished_requests = has_unfinished
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.abort(request_id)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
 
     # The step
 

@@ -50,6 +50,9 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestMetrics:

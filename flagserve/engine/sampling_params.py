@@ -112,6 +112,8 @@ class SamplingParams:
             self.structured_outputs.validate()
 
     def _check_sampling(self) -> None:
+        if self.seed == -1 and not isinstance(self.seed, bool):
+            self.seed = None  # vLLM's: -1 asks for no seed
         _require(is_int(self.n, 1, MAX_N), "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         _require(is_number(self.temperature, 0), "temperature",
                  f"must be a number in [0, 3.4e38] (finite in float32), got {self.temperature!r}")

@@ -1,4 +1,6 @@
 """The offline API users know from vLLM: LLM(model=...).generate(prompts, sampling_params)."""
+import copy
+import logging
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from itertools import count
@@ -6,6 +8,7 @@ from itertools import count
 import torch
 from tqdm.auto import tqdm
 
+from flagserve.config.flagscale import vllm_only
 from flagserve.engine.engine_args import EngineArgs
 from flagserve.engine.llm_engine import LLMEngine
 from flagserve.engine.outputs import RequestOutput
@@ -13,26 +16,28 @@ from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from flagserve.entrypoints.openai.template_input import template_message
 from flagserve.entrypoints.openai.tokenizer import ChatOptions, PromptTokenizer
 
-# A string, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
+# A string, token ids, or vLLM's TextPrompt / TokensPrompt dicts (engine/prompts.py).
 Prompt = str | list[int] | dict
+log = logging.getLogger(__name__)
 
 
-def _plain(prompt: Prompt) -> str | list[int]:
-    if not isinstance(prompt, dict):
-        return prompt
-    if set(prompt) == {"prompt_token_ids"}:
-        return prompt["prompt_token_ids"]
-    if set(prompt) == {"prompt"}:
-        return prompt["prompt"]
-    raise ValueError(f"a dict prompt takes one key, 'prompt' (text) or 'prompt_token_ids', "
-                     f"got {sorted(prompt)}")
+def _no_lora(lora_request: object) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not served; pass None")
 
 
 class LLM:
     def __init__(self, model: str, **engine_args):
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        """`engine_args`: EngineArgs' fields; vLLM's that change nothing here (flagscale.py
+        vllm_only: trust_remote_code, swap_space, quantization=None, ...) are dropped with a
+        warning, as a FlagScale YAML's are."""
+        dropped = sorted(k for k, v in engine_args.items() if vllm_only(k, v))
+        if dropped:
+            log.warning("ignoring vLLM-only engine args: %s", ", ".join(dropped))
+        args = {k: v for k, v in engine_args.items() if k not in dropped}
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **args))
         self._ids = count()
-        self._chat: PromptTokenizer | None = None  # the chat template, made on first use
+        self._chats: dict[str | None, PromptTokenizer] = {}  # by chat template, made on first use
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -46,14 +51,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: None = None,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. A prompt is a string, token ids, or
         a dict {"prompt": text} / {"prompt_token_ids": ids} as vLLM's. `priority`: one per
         prompt, lower scheduled earlier (scheduling_policy="priority")."""
+        _no_lora(lora_request)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = [_plain(p) for p in prompts]
+        prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -70,7 +77,7 @@ class LLM:
         threads = torch.get_num_threads()
         try:
             for i, (prompt, params, rank) in enumerate(zip(prompts, sampling_params, priority)):
-                request_id = f"offline-{next(self._ids)}"
+                request_id = str(next(self._ids))  # vLLM's: "0", "1", ...
                 final = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(request_id, prompt, final, priority=rank)
                 order[request_id] = i
@@ -79,8 +86,9 @@ class LLM:
                       dynamic_ncols=True) as bar:
                 while any(r is None for r in results):
                     for out in engine.step():
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+                        if out.request_id in order:  # not another caller's of llm_engine
+                            results[order[out.request_id]] = out
+                            bar.update(1)
         except BaseException:
             for request_id in order:  # leave the engine clean for the next call
                 engine.abort(request_id)
@@ -91,19 +99,33 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True, *, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Generate replies to conversations rendered with the model's chat template, as the
-        server renders /v1/chat/completions' (vLLM's arguments; tool calls are not parsed)."""
+             use_tqdm: bool = True, lora_request: None = None, chat_template: str | None = None,
+             *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+             ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the model's chat template (or
+        `chat_template`), as the server renders /v1/chat/completions' (vLLM's arguments; tool
+        calls are not parsed). Each output's `prompt` is the rendered text."""
+        _no_lora(lora_request)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if self._chat is None:
-            self._chat = PromptTokenizer(self.get_tokenizer())
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         options = ChatOptions(add_generation_prompt, continue_final_message, kwargs or None,
                               describe_tools=bool(tools))
-        prompts = [self._chat.encode_chat([template_message(m) for m in conv], options)
-                   for conv in conversations]
+        renderer = self._chat_renderer(chat_template)
+        prompts = []
+        for conv in conversations:
+            text, ids = renderer.render_chat([template_message(m) for m in conv], options)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_renderer(self, chat_template: str | None) -> PromptTokenizer:
+        """The tokenizer's template, or the caller's on a copy of it (its probes are its own)."""
+        if chat_template not in self._chats:
+            tokenizer = self.get_tokenizer()
+            if chat_template is not None:
+                tokenizer = copy.copy(tokenizer)
+                tokenizer.chat_template = chat_template
+            self._chats[chat_template] = PromptTokenizer(tokenizer)
+        return self._chats[chat_template]

@@ -82,6 +82,11 @@ class PromptTokenizer:
                     max_tokens: int | None = None) -> list[int]:
         """Raises ValueError when the model has no chat template, the template rejects input,
         or the conversation cannot be `max_tokens` tokens or fewer."""
+        return self.render_chat(messages, options, max_tokens)[1]
+
+    def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions = DEFAULT_CHAT,
+                    max_tokens: int | None = None) -> tuple[str, list[int]]:
+        """encode_chat's token ids, with the text the template rendered."""
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         parts = any(isinstance(m.get("content"), list) for m in messages)
@@ -100,7 +105,7 @@ class PromptTokenizer:
             # (its raise_exception() on bad roles, a TypeError on a field of the wrong type)
             raise ValueError(f"the chat template rejected the messages: {err}") from None
         self.check_length(text, max_tokens)
-        return self.encode_text(text, options.add_special_tokens)
+        return text, self.encode_text(text, options.add_special_tokens)
 
     def decode(self, prompts: list[list[int]]) -> list[str]:
         """Token-id prompts' text, special tokens kept (vLLM's, for `echo`)."""
