@@ -108,6 +108,21 @@ def test_truncate_prompt_tokens_keeps_that_side(llm, side):
     assert short.prompt_token_ids == ids[:3]
 
 
+def test_default_truncation_keeps_the_tokenizers_bos_as_hf_truncation_does(llm):
+    """vLLM's default (no truncation_side): a text's special tokens stay, the rest is cut from
+    the left: HF's own truncation of the text. Token ids are cut plainly."""
+    tok = llm.get_tokenizer()
+    ids = tok.encode(PROMPTS[2])
+    assert ids[0] == tok.bos_token_id
+    tok.truncation_side = "left"
+    hf = tok(PROMPTS[2], truncation=True, max_length=5).input_ids
+    assert hf[0] == tok.bos_token_id and hf[1:] == ids[-4:]
+    out = llm.generate([PROMPTS[2]], greedy(truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert out.prompt_token_ids == hf
+    by_ids = llm.generate([ids], greedy(truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert by_ids.prompt_token_ids == ids[-5:]
+
+
 def test_truncate_prompt_tokens_minus_one_fits_the_context(llama_path):
     small = LLM(llama_path, dtype="float32", max_model_len=32)
     ids = list(range(10, 60))  # 50 tokens: past the context window

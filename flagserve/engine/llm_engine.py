@@ -37,7 +37,7 @@ from flagserve.engine.step_input import StepInputBuilder
 from flagserve.engine.structured_outputs.matchers import Advance, StructuredOutputs
 from flagserve.layers.sampler import DeviceSamples, PromptScores, SamplerOutput
 from flagserve.models.config import load_model_config
-from flagserve.models.tokenizer import load_tokenizer, prompt_vocab_size
+from flagserve.models.tokenizer import load_tokenizer, prompt_vocab_size, special_edges
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # an idle engine waits this long for a grammar before the loop looks again
@@ -160,7 +160,9 @@ class LLMEngine:
         params.bad_words_token_ids = (bad_words_token_ids(self.tokenizer, params.bad_words, vocab)
                                       if params.bad_words else None)
         text, ids = self._tokenize(prompt)
-        ids = params.truncated(ids, self.max_model_len)
+        encoded = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+        ids = params.truncated(ids, self.max_model_len,
+                               special_edges(self.tokenizer) if encoded else (0, 0))
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:

@@ -24,6 +24,9 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values, either sign
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 1024
 
 
+TruncationSide = Literal["left", "right"]
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries all text and tokens so far
     DELTA = 1  # every output carries only what is new since the previous one
@@ -89,9 +92,10 @@ class SamplingParams:
     # before it end the output so far (bad_words.py).
     bad_words: list[str] | None = None
     # vLLM's: keep only this many prompt tokens (-1: as many as leave room for one output
-    # token), cut from `truncation_side` ("left" keeps the last ones, as vLLM's generate).
+    # token), cut from `truncation_side` (cut_tokens: None cuts the left of a text's tokens
+    # and keeps the special tokens its tokenizer put around it, as vLLM's default).
     truncate_prompt_tokens: int | None = None
-    truncation_side: Literal["left", "right"] = "left"
+    truncation_side: TruncationSide | None = None
     stop_list: list[str] = field(init=False, repr=False)
     # bad_words as token sequences: set by the engine, which holds the tokenizer
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
@@ -173,8 +177,8 @@ class SamplingParams:
         _require(keep is None or keep == -1 or is_int(keep, 1), "truncate_prompt_tokens",
                  f"must be None, -1 (the context window) or an integer in [1, {INT32_MAX}], "
                  f"got {keep!r}")
-        _require(self.truncation_side in ("left", "right"), "truncation_side",
-                 f"must be 'left' or 'right', got {self.truncation_side!r}")
+        _require(self.truncation_side in (None, "left", "right"), "truncation_side",
+                 f"must be None, 'left' or 'right', got {self.truncation_side!r}")
 
     def _check_flags(self) -> None:
         # Checked by type: the detokenizer takes skip_special_tokens as a bool, and a value that
@@ -242,14 +246,33 @@ class SamplingParams:
                  f"must be less than max_model_len ({max_model_len}) to leave room for output, "
                  f"got {keep}")
 
-    def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as truncate_prompt_tokens keeps it."""
+    def kept_tokens(self, max_model_len: int) -> int | None:
+        """How many prompt tokens truncate_prompt_tokens keeps (None: all)."""
         self.check_context(max_model_len)
         keep = self.truncate_prompt_tokens
+        return max_model_len - 1 if keep == -1 else keep
+
+    def truncated(self, prompt_token_ids: list[int], max_model_len: int,
+                  edges: tuple[int, int] = (0, 0)) -> list[int]:
+        """The prompt as truncate_prompt_tokens keeps it; `edges`: the special tokens the
+        tokenizer put before and after a text's (models/tokenizer.py special_edges)."""
+        keep = self.kept_tokens(max_model_len)
         if keep is None:
             return prompt_token_ids
-        if keep == -1:
-            keep = max_model_len - 1
-        if len(prompt_token_ids) <= keep:
-            return prompt_token_ids
-        return prompt_token_ids[-keep:] if self.truncation_side == "left" else prompt_token_ids[:keep]
+        return cut_tokens(prompt_token_ids, keep, self.truncation_side, edges)
+
+
+def cut_tokens(ids: list[int], keep: int, side: TruncationSide | None,
+               edges: tuple[int, int] = (0, 0)) -> list[int]:
+    """`keep` of `ids`: the first (right), the last (left) or, with no side, the last with the
+    `edges` (head, tail) of special tokens kept in place: HF's truncation of an encoded text,
+    which is vLLM's default (a BOS stays first, where attention leans on it)."""
+    if len(ids) <= keep:
+        return ids
+    if side == "right":
+        return ids[:keep]
+    head, tail = edges if side is None else (0, 0)
+    if keep <= head + tail:
+        return ids[-keep:]
+    body = keep - head - tail
+    return ids[:head] + ids[len(ids) - tail - body:]

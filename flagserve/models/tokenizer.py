@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,3 +77,18 @@ def _save(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
         pass  # another process published it first, or the disk is read-only
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+_edges: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def special_edges(tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
+    """How many special tokens the tokenizer puts before and after a text it encodes (a BOS:
+    (1, 0)): what a truncation of an encoded text keeps in place, as HF's does."""
+    if tokenizer not in _edges:
+        plain = tokenizer.encode("a", add_special_tokens=False)
+        full = tokenizer.encode("a")
+        head = next((i for i in range(len(full) - len(plain) + 1)
+                     if full[i:i + len(plain)] == plain), 0)
+        _edges[tokenizer] = (head, max(len(full) - head - len(plain), 0))
+    return _edges[tokenizer]

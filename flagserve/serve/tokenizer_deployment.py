@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flagserve.engine.sampling_params import TruncationSide
 from flagserve.entrypoints.openai.tokenizer import DEFAULT_CHAT, ChatOptions, PromptTokenizer
 
 
@@ -15,8 +16,11 @@ class TokenizerDeployment:
         self.tokenizer = PromptTokenizer(tokenizer_path)
 
     async def encode_prompts(self, prompts: list[str | list[int]], max_tokens: int | None,
-                             add_special_tokens: bool = True) -> list[list[int]]:
-        return await self.tokenizer.encode_prompts_async(prompts, max_tokens, add_special_tokens)
+                             add_special_tokens: bool = True,
+                             truncation: tuple[int, TruncationSide | None] | None = None
+                             ) -> list[list[int]]:
+        return await self.tokenizer.encode_prompts_async(prompts, max_tokens, add_special_tokens,
+                                                         truncation)
 
     async def encode_chat(self, messages: list[dict[str, Any]], options: ChatOptions = DEFAULT_CHAT,
                           max_tokens: int | None = None) -> list[int]:

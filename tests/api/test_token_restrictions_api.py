@@ -39,10 +39,14 @@ def test_restrictions_give_the_offline_tokens(url, llm):
 
 def test_truncated_prompt_in_usage_and_echo(url, llm):
     ids = llm.get_tokenizer().encode(PROMPT)
-    got = complete(url, prompt=PROMPT, max_tokens=2, echo=True, truncate_prompt_tokens=4).json()
+    got = complete(url, prompt=PROMPT, max_tokens=2, echo=True, truncate_prompt_tokens=4,
+                   truncation_side="left").json()
     assert got["usage"]["prompt_tokens"] == 4
     kept = llm.get_tokenizer().decode(ids[-4:])
     assert got["choices"][0]["text"].startswith(kept) and not got["choices"][0]["text"].startswith(PROMPT)
+    # no side (vLLM's default): the tokenizer's BOS stays first, as HF's truncation keeps it
+    got = complete(url, prompt=PROMPT, max_tokens=1, truncate_prompt_tokens=4, return_token_ids=True).json()
+    assert got["choices"][0]["prompt_token_ids"] == ids[:1] + ids[-3:]
     # A token-id prompt past the context window fits once cut (-1: all but room for one token).
     long = list(range(10, 610))
     got = complete(url, prompt=long, max_tokens=1, truncate_prompt_tokens=-1)

@@ -233,27 +233,30 @@ class OpenAIIngress:
 
     async def _encode_prompts(self, route: ModelRoute, req: Any, info: ModelInfo,
                               params: SamplingParams) -> tuple[list, list[list[int]]]:
-        """`req`'s prompts' token ids as truncate_prompt_tokens keeps them, and the prompts with
-        each truncated one replaced by its ids (what `echo` shows: what the model saw)."""
+        """`req`'s prompts' token ids as truncate_prompt_tokens keeps them (a text's in its
+        tokenizer, which knows the special tokens it added), and the prompts with each cut one
+        replaced by its ids (what `echo` shows: what the model saw)."""
         prompts = req.prompts()
-        cut = params.truncate_prompt_tokens is not None
-        for p in prompts:
+        keep = params.kept_tokens(info.max_model_len)
+        kept = [params.truncated(p, info.max_model_len) if isinstance(p, list) else p for p in prompts]
+        for p in kept:
             if isinstance(p, list):
-                check_token_ids(info, params.truncated(p, info.max_model_len))
-        if all(isinstance(p, list) for p in prompts):
-            ids = prompts
+                check_token_ids(info, p)
+        if all(isinstance(p, list) for p in kept):
+            ids = kept
         else:
             # prompt tokens that leave room for one more; any length when it is cut
-            most = None if cut else info.max_model_len - 1
+            most = None if keep is not None else info.max_model_len - 1
+            truncation = None if keep is None else (keep, params.truncation_side)
             try:
-                ids = await call_tokenizer(self.tokenizers, route, "encode_prompts", prompts, most,
-                                           req.add_special_tokens)
+                ids = await call_tokenizer(self.tokenizers, route, "encode_prompts", kept, most,
+                                           req.add_special_tokens, truncation)
             except ValueError as err:
                 raise OpenAIError(400, error_message(err), "prompt") from None
-        if not cut:
+        if keep is None:
             return prompts, ids
-        kept = [params.truncated(p, info.max_model_len) for p in ids]
-        return [p if len(k) == len(i) else k for p, i, k in zip(prompts, ids, kept)], kept
+        # a text of `keep` tokens may have been longer: shown as its ids (the model's view)
+        return [p if isinstance(p, str) and len(i) < keep else i for p, i in zip(prompts, ids)], ids
 
     async def _echoes(self, route: ModelRoute, prompts: list, token_ids: list[list[int]]
                       ) -> list[Echo]:

@@ -86,7 +86,7 @@ class _Request(OutputNeutral):
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: StrictInt | None = None
-    truncation_side: Literal["left", "right"] = "left"
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's: the response's id is <cmpl or chatcmpl>-<request_id>; the engine's ids stay unique
     request_id: str | None = Field(None, min_length=1, max_length=256)
     # vLLM's: lower is scheduled earlier, where the engine's scheduling_policy is "priority"

@@ -20,8 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from flagserve.engine.sampling_params import TruncationSide, cut_tokens
 from flagserve.entrypoints.openai.template_input import joined_text, with_tools_in_system
-from flagserve.models.tokenizer import load_tokenizer
+from flagserve.models.tokenizer import load_tokenizer, special_edges
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 PROBE_TOOL = {"type": "function", "function": {"name": "flagserve_probe_tool", "parameters": {}}}
@@ -65,14 +66,21 @@ class PromptTokenizer:
                              "this model's context leaves for the prompt")
 
     def encode_prompts(self, prompts: list[str | list[int]], max_tokens: int | None = None,
-                       add_special_tokens: bool = True) -> list[list[int]]:
+                       add_special_tokens: bool = True,
+                       truncation: tuple[int, TruncationSide | None] | None = None) -> list[list[int]]:
         """Completions: strings are encoded with the tokenizer's special tokens (BOS) unless
-        `add_special_tokens` is false, as vLLM. ValueError for a string that cannot be
-        `max_tokens` tokens or fewer."""
+        `add_special_tokens` is false, as vLLM, and cut to `truncation`'s (kept tokens, side)
+        (cut_tokens: with no side its special tokens stay). ValueError for a string that cannot
+        be `max_tokens` tokens or fewer."""
         for p in prompts:
             if isinstance(p, str):
                 self.check_length(p, max_tokens)
-        return [p if isinstance(p, list) else self.encode_text(p, add_special_tokens) for p in prompts]
+        encoded = [p if isinstance(p, list) else self.encode_text(p, add_special_tokens) for p in prompts]
+        if truncation is None:
+            return encoded
+        edges = special_edges(self.tokenizer) if add_special_tokens else (0, 0)
+        return [ids if isinstance(p, list) else cut_tokens(ids, *truncation, edges)
+                for p, ids in zip(prompts, encoded)]
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Unbounded: /tokenize counts a text whatever its length (lm-eval truncates after)."""
@@ -160,9 +168,12 @@ class PromptTokenizer:
         return self._template_shows_tools
 
     async def encode_prompts_async(self, prompts: list[str | list[int]], max_tokens: int | None,
-                                   add_special_tokens: bool = True) -> list[list[int]]:
+                                   add_special_tokens: bool = True,
+                                   truncation: tuple[int, TruncationSide | None] | None = None
+                                   ) -> list[list[int]]:
         size = sum(len(p) for p in prompts if isinstance(p, str))
-        return await self._run(size, self.encode_prompts, prompts, max_tokens, add_special_tokens)
+        return await self._run(size, self.encode_prompts, prompts, max_tokens, add_special_tokens,
+                               truncation)
 
     async def encode_chat_async(self, messages: list[dict[str, Any]], options: ChatOptions = DEFAULT_CHAT,
                                 max_tokens: int | None = None) -> list[int]:
