@@ -76,3 +76,12 @@ def test_generate_leaves_another_callers_request_alone(llm):
     assert llm.generate("Hi", GREEDY, use_tqdm=False)[0].outputs[0].finished()
     assert "theirs" in engine.requests  # still running, its outputs the caller's to collect
     engine.abort_request("theirs")
+
+
+def test_sampling_params_clone_and_extra_args():
+    params = SamplingParams(stop=["x"], extra_args={"mine": 1})
+    copied = params.clone()
+    copied.stop.append("y")
+    assert params.stop == ["x"] and copied.extra_args == {"mine": 1}
+    with pytest.raises(ValueError, match="extra_args"):
+        SamplingParams(extra_args=[1])

@@ -92,6 +92,8 @@ def banned_token_ids(params: list[SamplingParams], step: StepInput, min_tokens: 
     """Per row, what it may not sample now: stop and EOS ids below min_tokens, and the tokens
     that would complete a bad word; None when no row bans anything."""
     below_min = np.asarray(step.num_output_tokens) < min_tokens
+    if not below_min.any() and not any(p.bad_words_token_ids for p in params):
+        return None  # the common case: no per-row work
     outputs = step.output_token_ids
     bans = []
     for row, p in enumerate(params):

@@ -6,10 +6,11 @@ can hold: integers that torch's int64 tensors and generators accept, floats that
 in the sampler's float32. `validate()` runs again in LLMEngine.add_request, because params that
 were mutated or unpickled (the engine process receives them pickled) skip __post_init__.
 """
+import copy
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from flagserve.engine.structured_outputs.params import StructuredOutputsParams
 
@@ -96,6 +97,9 @@ class SamplingParams:
     # and keeps the special tokens its tokenizer put around it, as vLLM's default).
     truncate_prompt_tokens: int | None = None
     truncation_side: TruncationSide | None = None
+    # vLLM's: arbitrary data for custom sampling code, unused by the engine (as vLLM's in-tree
+    # samplers leave it)
+    extra_args: dict[str, Any] | None = None
     stop_list: list[str] = field(init=False, repr=False)
     # bad_words as token sequences: set by the engine, which holds the tokenizer
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
@@ -155,6 +159,8 @@ class SamplingParams:
                                      and all(map(is_int, allowed))), "allowed_token_ids",
                  f"must be None or a non-empty list of token ids in [0, {INT32_MAX}], "
                  f"got {_short(allowed)}")
+        _require(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
+                 f"must be None or a dict, got {type(self.extra_args).__name__}")
         words = self.bad_words
         _require(words is None or (isinstance(words, (list, tuple))
                                    and len(words) <= MAX_BAD_WORDS
@@ -223,6 +229,10 @@ class SamplingParams:
             value = getattr(self, name)
             _require(value is None or value <= vocab_size, name,
                      f"must be <= the vocabulary size {vocab_size}, got {value}")
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's)."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
