@@ -17,7 +17,7 @@ SPLIT = "+serve.llm.disaggregation.prefill.num_replicas=1"
 
 def test_plan_shows_both_roles_and_their_kv_budgets(capsys):
     code, out, err = run(capsys, "+serve.llm.disaggregation.prefill.num_replicas=2",
-                         "+serve.llm.disaggregation.decode.engine_args.num_kv_blocks=100")
+                         "+serve.llm.disaggregation.decode.engine_args.num_kv_blocks=200")
     assert code == 0, err
     assert re.search(r"ingress\s+1\s", out), out  # the ingress carries the handoff
     assert re.search(r"llm-prefill\s+2\s.*hands each request.*to llm-decode, KV over gloo", out), out
@@ -27,7 +27,7 @@ def test_plan_shows_both_roles_and_their_kv_budgets(capsys):
     memory = out.split("memory per device of llm-prefill")[1]
     prefill, decode = memory.split("memory per device of llm-decode")
     assert "cpu_kv_cache_space_gib=0.5" in prefill  # the module's budget
-    assert "num_kv_blocks=100: 1,600 tokens" in decode  # the role's own
+    assert "num_kv_blocks=200: 3,200 tokens" in decode  # the role's own
 
 
 def test_plan_shows_what_each_autoscaled_role_scales_on(capsys):
