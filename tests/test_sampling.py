@@ -248,3 +248,14 @@ def test_child_seeds_of_distinct_seeds_differ():
         children = [child_seed(s, index) for s in seeds]
         assert len(set(children)) == len(seeds) and all(0 <= c < 2**64 for c in children)
     assert child_seed(-1, 0) == -1  # the first sample is the seed's own, as n=1
+
+
+def test_the_models_other_eos_ids_name_themselves_in_stop_reason(llm):
+    """vLLM's: the tokenizer's EOS ends with stop_reason None; generation_config.json's other
+    end-of-sequence ids (the tiny model's <|im_end|>) act as stop tokens and name themselves."""
+    engine = llm.llm_engine
+    primary = engine.tokenizer.eos_token_id
+    other = next(t for t in engine.eos_token_ids if t != primary)
+    for token, reason in ((primary, None), (other, other)):
+        out = one(llm, SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[token])).outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([token], "stop", reason)

@@ -96,6 +96,10 @@ class LLMEngine:
         eos = cfg.eos_token_ids or ((self.tokenizer.eos_token_id,)
                                     if self.tokenizer.eos_token_id is not None else ())
         self.eos_token_ids = frozenset(eos)
+        # vLLM's: the tokenizer's EOS ends an output with stop_reason None; the model's other
+        # end-of-sequence ids (generation_config.json's) act as stop tokens, naming themselves
+        primary = self.tokenizer.eos_token_id
+        self.primary_eos = primary if primary in eos else (eos[0] if eos else None)
         # In this process with TP = PP = 1, else TP x PP shard workers under Ray.
         self.executor = make_executor(args, cfg, self.max_model_len, tuple(eos))
         self.async_scheduling = args.overlaps_steps(device_type, kv_transport)
@@ -457,7 +461,8 @@ class LLMEngine:
         if may_stop and (eos or token in p.stop_token_ids):
             if p.include_stop_str_in_output:  # vLLM's: the stop token's text is kept
                 detok.append(seq.token_ids)
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, None if eos else token
+            reason = None if eos and token == self.primary_eos else token
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, reason
         else:
             delta = detok.append(seq.token_ids)
             # vLLM's rule: a stop string ends the output only past min_tokens tokens
