@@ -10,7 +10,7 @@ is the one of the latest priority.
 """
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flagserve.engine.block_manager import BlockManager
 from flagserve.engine.engine_args import SchedulingPolicy
@@ -38,6 +38,26 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+@dataclass
+class _Step:
+    """A step being filled: its token budget left and what it takes."""
+    budget: int
+    decodes: list[Sequence] = field(default_factory=list)  # one new token each; they lead the batch
+    chunks: dict[Sequence, int] = field(default_factory=dict)
+    admitted: list[Sequence] = field(default_factory=list)
+
+    def take(self, seq: Sequence, num_new: int) -> None:
+        if num_new == 1:
+            self.decodes.append(seq)
+        else:
+            self.chunks[seq] = num_new
+        self.budget -= num_new
+
+    def batch(self) -> ScheduledBatch:
+        return ScheduledBatch(self.decodes + list(self.chunks),
+                              [1] * len(self.decodes) + list(self.chunks.values()), self.admitted)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
@@ -61,43 +81,41 @@ class Scheduler:
         queue.insert(bisect.bisect_right(queue, _order(seq), key=_order), seq)
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
-        decodes: list[Sequence] = []  # one new token each; they lead the batch
-        chunks: dict[Sequence, int] = {}
-        admitted: list[Sequence] = []
+        step = _Step(self.config.max_num_batched_tokens)
+        # After a preemption the cache is full: admitting more would only thrash.
+        if not self._schedule_running(step):
+            self._admit_waiting(step)
+        return step.batch()
+
+    def _schedule_running(self, step: _Step) -> bool:
+        """The running sequences' next tokens, oldest first. True when blocks ran out and the
+        newest were preempted."""
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             seq = self.running[i]
+            i += 1
             if seq.num_pending and seq.reaches_length(self.config.max_model_len):
-                i += 1  # its last token is in flight (async scheduling): a step more is waste
-                continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                continue  # its last token is in flight (async scheduling): a step more is waste
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
             while not self.block_manager.append_slots(seq, num_new):
                 victim = self.running.pop()  # the newest; never one already scheduled
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
-                    break
-            else:
-                if num_new == 1:
-                    decodes.append(seq)
-                else:
-                    chunks[seq] = num_new
-                budget -= num_new
-                i += 1
-                continue
-            break  # seq itself was preempted: everything after it is gone too
+                    return True  # everything after it is gone too
+            step.take(seq, num_new)
+        return preempted
 
-        # After a preemption the cache is full: admitting more would only thrash.
-        while not preempted and self.waiting and budget > 0 \
-                and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, step: _Step) -> None:
+        """Waiting sequences in order while budget, sequence slots and blocks last."""
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hits = self.block_manager.match_prefix(seq)
             remaining = seq.num_tokens - len(hits) * self.block_manager.block_size
-            if not self.config.enable_chunked_prefill and remaining > budget:
+            if not self.config.enable_chunked_prefill and remaining > step.budget:
                 break
-            num_new = min(remaining, budget)
+            num_new = min(remaining, step.budget)
             if not self.block_manager.can_admit(hits, num_new):
                 break
             self.waiting.popleft()
@@ -105,15 +123,8 @@ class Scheduler:
             self.block_manager.append_slots(seq, num_new)  # can_admit counted its blocks
             seq.status = SequenceStatus.RUNNING
             self._queue(self.running, seq, front=False)
-            admitted.append(seq)
-            if num_new == 1:
-                decodes.append(seq)
-            else:
-                chunks[seq] = num_new
-            budget -= num_new
-
-        return ScheduledBatch(decodes + list(chunks), [1] * len(decodes) + list(chunks.values()),
-                              admitted)
+            step.admitted.append(seq)
+            step.take(seq, num_new)
 
     def queued_prompt_tokens(self) -> int:
         """Tokens still to prefill: waiting sequences whole, running ones' unfinished chunks
