@@ -130,6 +130,24 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
 OPTIONAL_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
 
+def _checked_architecture(cfg: dict, path: Path) -> str:
+    """The config's architecture, once it is one the decoder builds exactly."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"model architecture {archs or cfg.get('model_type')!r} is not supported; "
+                         f"supported architectures: {', '.join(HF_ARCHITECTURES)}")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} in {str(path)!r} is not supported: the MLP's "
+                         "kernels are SiLU-gated (silu / swish)")
+    missing = [k for k in REQUIRED_FIELDS if not isinstance(cfg.get(k), int) or cfg[k] < 1]
+    if missing:
+        raise ValueError(f"{str(path)!r} lacks {missing[0]!r} (a positive integer), which "
+                         "transformers' config of this architecture always has")
+    return arch
+
+
 def load_model_config(model: str | Path) -> ModelConfig:
     """`model`: a local HF model directory or a .gguf file."""
     if model_format(model) == "gguf":
@@ -144,19 +162,7 @@ def load_model_config(model: str | Path) -> ModelConfig:
                                 "point `model` at a local HF model directory or a .gguf file")
     cfg = json.loads(path.read_text())
     generation = _generation_config(model_dir)
-    archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(f"model architecture {archs or cfg.get('model_type')!r} is not supported; "
-                         f"supported architectures: {', '.join(HF_ARCHITECTURES)}")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act {act!r} in {str(path)!r} is not supported: the MLP's "
-                         "kernels are SiLU-gated (silu / swish)")
-    missing = [k for k in REQUIRED_FIELDS if not isinstance(cfg.get(k), int) or cfg[k] < 1]
-    if missing:
-        raise ValueError(f"{str(path)!r} lacks {missing[0]!r} (a positive integer), which "
-                         "transformers' config of this architecture always has")
+    arch = _checked_architecture(cfg, path)
     bias = bool(cfg.get("attention_bias", False))
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
