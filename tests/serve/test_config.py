@@ -53,7 +53,7 @@ def test_default_config_plans(capsys):
     assert code == 0, err
     assert "llm-engine" in out and "KV cache" in out and "tokens" in out
     assert "llm-tokenizer" not in out  # tokenized in the ingress unless asked for
-    assert "model tiny-llama," in out
+    assert "model tiny-llama," in out and "plan for tiny:" in out  # its own experiment name
     code, out, err = run(capsys, "serve.llm.tiny_model=mistral")
     assert code == 0 and "model tiny-mistral," in out, err
 
@@ -475,7 +475,8 @@ def test_a_model_name_that_is_another_modules_id_is_refused(capsys):
 @pytest.mark.parametrize("name", ["smollm2", "tiny"])
 def test_the_builtin_configs_list_every_engine_arg_a_config_sets(name):
     """So that each overrides without a `+` (README, Configuration)."""
-    listed = yaml.safe_load((REPO / "conf" / "serve" / f"{name}.yaml").read_text())["llm"]["engine_args"]
+    written = yaml.safe_load((REPO / "conf" / "serve" / f"{name}.yaml").read_text())
+    listed = written.get("serve", written)["llm"]["engine_args"]  # tiny.yaml: @package _global_
     graph_filled = {"kv_transfer", "placement_hosts"}
     assert set(listed) == {f.name for f in dataclasses.fields(EngineArgs)} - graph_filled
 
