@@ -238,6 +238,29 @@ def _recv(conn: Connection) -> Any:
 def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    engine = _start(conn)
+    if engine is None:
+        return 1
+    encoder = wire.Encoder()
+    inbox = _Inbox(conn, encoder)
+    try:
+        run_steps(engine, inbox.receive, lambda result: conn.send_bytes(encoder.encode(result)),
+                  lambda: inbox.stopping)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the replica went away while a result was being sent
+    except BaseException:  # noqa: BLE001 - the replica's health check fails on it
+        log.exception("engine step loop failed")
+        with contextlib.suppress(OSError):  # the replica is gone: nobody to tell
+            _send(conn, CoreFailed(traceback.format_exc()))
+        return 1
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _start(conn: Connection) -> Any:
+    """The engine, from the EngineArgs the replica sends, and CoreReady sent back; None when
+    it could not start (CoreFailed sent: the replica fails to start)."""
     try:
         plan = engine_thread_plan()
         apply_thread_plan(plan)
@@ -249,44 +272,36 @@ def main(argv: list[str]) -> int:
         import_grammar_library()
     except BaseException:  # noqa: BLE001 - reported to the replica, which fails to start
         _send(conn, CoreFailed(traceback.format_exc()))
-        return 1
+        return None
     _send(conn, CoreReady(engine.max_model_len, engine.prompt_vocab_size, engine.get_stats()))
-    stopping = False
-    encoder = wire.Encoder()
-    # One poll object for the life of the loop: Connection.poll builds a selector per call,
-    # and this runs every step.
-    poller = select.poll()
-    poller.register(conn.fileno(), select.POLLIN)
+    return engine
 
-    def receive(timeout: float) -> list[Command]:
-        nonlocal stopping
+
+class _Inbox:
+    """The replica's commands for the step loop; `stopping` once it asks to stop or is gone."""
+
+    def __init__(self, conn: Connection, encoder: wire.Encoder):
+        self.conn, self.encoder, self.stopping = conn, encoder, False
+        # One poll object for the life of the loop: Connection.poll builds a selector per
+        # call, and this runs every step.
+        self.poller = select.poll()
+        self.poller.register(conn.fileno(), select.POLLIN)
+
+    def receive(self, timeout: float) -> list[Command]:
+        """What has come, waiting up to `timeout` s for the first command."""
         commands: list[Command] = []
         try:
-            while poller.poll(0 if commands else timeout * 1000):
-                msg = conn.recv()
+            while self.poller.poll(0 if commands else timeout * 1000):
+                msg = self.conn.recv()
                 if isinstance(msg, Shutdown):
-                    stopping = True
+                    self.stopping = True
                     break
                 commands.append(msg)
                 if isinstance(msg, AbortRequest):
-                    encoder.forget(msg.request_id)
+                    self.encoder.forget(msg.request_id)
         except (EOFError, OSError):  # the replica is gone
-            stopping = True
+            self.stopping = True
         return commands
-
-    try:
-        run_steps(engine, receive, lambda result: conn.send_bytes(encoder.encode(result)),
-                  lambda: stopping)
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the replica went away while a result was being sent
-    except BaseException:  # noqa: BLE001 - the replica's health check fails on it
-        log.exception("engine step loop failed")
-        with contextlib.suppress(OSError):  # the replica is gone: nobody to tell
-            _send(conn, CoreFailed(traceback.format_exc()))
-        return 1
-    finally:
-        engine.shutdown()
-    return 0
 
 
 if __name__ == "__main__":
