@@ -114,7 +114,7 @@ def bench(deployment: Deployment) -> int:
                   "bench it with the config it was started with", file=sys.stderr)
             return 1
         print(f"benchmarking the running deployment at {deployment.endpoint} (it stays running)")
-    job = plan_job(config, deployment.hosts)
+    job = plan_job(config, deployment.hosts, earlier_runs(config) if running else 0)
     if not running and (code := deployment.run()) != 0:
         return code
     try:
@@ -135,13 +135,25 @@ def bench(deployment: Deployment) -> int:
     return _save(deployment, job, runs, baselines, started=not running)
 
 
-def plan_job(config: Config, hosts: list[Host]) -> Job:
-    """The workload (tokenized with the model's tokenizer) and the run's title."""
+def earlier_runs(config: Config) -> int:
+    """Bench runs of this experiment so far (their result folders)."""
+    root = Path(config.experiment.bench.result_dir or Path(config.experiment.exp_dir) / "bench")
+    return sum(1 for p in root.iterdir() if p.is_dir()) if root.is_dir() else 0
+
+
+def plan_job(config: Config, hosts: list[Host], seen: int = 0) -> Job:
+    """The workload (tokenized with the model's tokenizer) and the run's title. `seen`: runs a
+    running deployment has already served: their prompts are in its prefix cache, so this one
+    draws its own (seed + 1000 x seen), or it would measure a warm cache."""
     b = config.experiment.bench
     module_id = b.module or next(iter(config.llms))
     module = config.llms[module_id]
     overrides, multirun = _hydra_overrides()
     settings = suite.Settings.from_config(b)
+    if seen:
+        settings.seed += 1000 * seen
+        print(f"prompts drawn with seed {settings.seed}: the running deployment has served "
+              f"{seen} earlier bench run(s) of this experiment, whose prompts it has cached")
     engine_args = served_engine_args(module, hosts).to_dict()
     from flagserve.models.tokenizer import load_tokenizer  # a directory or a .gguf file
     tokenizer = load_tokenizer(engine_args.get("tokenizer") or engine_args["model"])

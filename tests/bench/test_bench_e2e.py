@@ -101,6 +101,9 @@ def test_multirun_sweep_gives_one_result_per_point_and_a_table(server):
     points = json.loads(sweeps[-1].read_text())["points"]
     assert len(points) == 2 and all(p["ok"] == 8 for p in points)
     assert all(Path(p["result"], "result.json").exists() for p in points)
+    # each point against the running deployment draws prompts it has not cached yet
+    seeds = [json.loads(Path(p["result"], "result.json").read_text())["settings"]["seed"] for p in points]
+    assert seeds[0] != seeds[1] and "prompts drawn with seed" in out.stdout
 
 
 def test_refuses_a_deployment_with_another_graph(server):
