@@ -67,23 +67,39 @@ def _plain(data: Any) -> Any:
     return yaml.safe_load(yaml.safe_dump(data, sort_keys=True))
 
 
+# What a bench measures of a deployment: its graph, how requests reach it, its processes'
+# environment (the API key and the drain only decide who may ask and how it stops).
+MEASURED = (("serve",), ("experiment", "runner", "deploy"), ("experiment", "envs"))
+UNMEASURED = {"experiment.runner.deploy.api_key", "experiment.runner.deploy.drain_timeout_s"}
+
+
 def config_differences(paths: ExpPaths, config: Config) -> list[str]:
-    """Keys of `serve` whose value differs from what the running deployment was started with."""
+    """Keys a bench measures whose value differs from what the running deployment was
+    started with."""
     if not paths.config.exists():
         return []
-    running = (yaml.safe_load(paths.config.read_text()) or {}).get("serve", {})
-    wanted = _plain(dataclasses.asdict(config)["serve"])
+    running = yaml.safe_load(paths.config.read_text()) or {}
+    wanted = _plain(dataclasses.asdict(config))
     out: list[str] = []
 
     def walk(a: Any, b: Any, key: str) -> None:
+        if key in UNMEASURED:
+            return
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b)):
                 walk(a.get(k), b.get(k), f"{key}.{k}")
         elif a != b:
             out.append(f"{key}: running {a!r}, configured {b!r}")
 
-    walk(running, wanted, "serve")
+    for path in MEASURED:
+        walk(_at(running, path), _at(wanted, path), ".".join(path))
     return out
+
+
+def _at(data: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
 
 
 @dataclass

@@ -111,4 +111,8 @@ def test_refuses_a_deployment_with_another_graph(server):
                  "serve.llm.engine_args.max_model_len=512", "action=bench", *SMALL, timeout=120)
     assert out.returncode == 1
     assert "serve.llm.engine_args.max_num_seqs: running 8, configured 4" in out.stderr
+    # how requests reach it is measured too: a bench labelled serve_proxy must go through one
+    out = run_py(*server["args"], "experiment.runner.deploy.http_server=serve_proxy", "action=bench",
+                 *SMALL, timeout=120)
+    assert out.returncode == 1 and "experiment.runner.deploy.http_server: running" in out.stderr
     assert run_py(*server["args"], "action=status").returncode == 0  # left alone
