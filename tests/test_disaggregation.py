@@ -270,3 +270,24 @@ def test_a_request_too_wide_for_either_engine_is_refused_not_left_waiting(llama_
         decode.import_request(prefill.take_handoffs()[0])
     prefill.abort("n3")
     assert_all_free(prefill, decode)
+
+
+def test_the_decode_side_keeps_the_requests_priority(llama_path):
+    """scheduling_policy="priority" on both roles: imports wait, join and give way in
+    (priority, arrival) order, the priority handed over with the request."""
+    p, d = inprocess_pair()
+    prefill = engine(llama_path, p, scheduling_policy="priority")
+    decode = engine(llama_path, d, scheduling_policy="priority", max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for rid, priority in (("late", 5), ("early", -5), ("middle", 0)):
+        prefill.add_prefill_request(rid, SYSTEM + rid, params, priority=priority)
+    while len(prefill.kv_exports.exporting) < 3:
+        prefill.step()
+    handoffs = prefill.take_handoffs()
+    assert sorted(h.priority for h in handoffs) == [-5, 0, 5]
+    for h in sorted(handoffs, key=lambda h: -h.priority):  # arrive latest priority first
+        decode.import_request(h)
+    done = finish(prefill, decode)
+    started = sorted(done, key=lambda rid: done[rid].metrics.finished_time)
+    assert started == ["early", "middle", "late"]
+    assert_all_free(prefill, decode)

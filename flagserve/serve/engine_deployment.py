@@ -51,8 +51,10 @@ class EngineDeployment:
         self.metrics = EngineMetrics(self.args.kv_transfer.role if self.args.kv_transfer else None)
         self.async_engine = AsyncEngine(core, on_step=self.metrics.on_step)
         defaults = load_model_config(self.args.model).sampling_defaults_for(self.args.generation_config)
+        decode = self.args.kv_transfer is not None and self.args.kv_transfer.role == "decode"
         self.info_ = ModelInfo(module_id, model_name, self.args.model, core.max_model_len,
-                               core.vocab_size, self.args.scheduling_policy, defaults)
+                               core.vocab_size, self.args.scheduling_policy, defaults,
+                               self.args.max_num_seqs if decode else None)
         self.metrics_hub = metrics_hub
         try:
             self.replica = serve.get_replica_context().replica_id.unique_id

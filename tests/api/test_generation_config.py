@@ -59,3 +59,7 @@ def test_served_requests_default_to_the_model(tuned, greedy_5):
         text = requests.post(url + "/v1/completions", timeout=60, json={
             "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True}).json()["choices"][0]["text"]
         assert text == greedy_5.text
+        # completions' max_tokens: null takes the model's max_new_tokens (vLLM's fallback)
+        unset = requests.post(url + "/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": None, "ignore_eos": True}).json()
+        assert unset["usage"]["completion_tokens"] == 5

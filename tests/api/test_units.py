@@ -332,3 +332,22 @@ def test_a_long_json_answer_lets_the_event_loop_in():
     assert response.body == JSONResponse(payload).body
     assert response.media_type == "application/json"
     assert others >= 4 + 1  # one turn per slice of both long lists
+
+
+def test_disaggregated_refusals_name_the_field():
+    """n past the decode role's batch, before any prefill; a handoff refusal's field."""
+    from flagserve.engine.kv_transfer.exports import check_handoff_params
+    from flagserve.engine.sampling_params import SamplingParams
+    from flagserve.entrypoints.openai.checks import check_n
+    from flagserve.entrypoints.openai.engine_client import ModelInfo
+    from flagserve.entrypoints.openai.errors import OpenAIError, request_error
+    from flagserve.entrypoints.openai.protocol import CompletionRequest, parse_request
+
+    info = ModelInfo("llm", "m", "/m", 512, 1000, max_n=4)
+    check_n(parse_request(CompletionRequest, {"prompt": "hi", "n": 4}), info)
+    with pytest.raises(OpenAIError) as err:
+        check_n(parse_request(CompletionRequest, {"prompt": "hi", "n": 5}), info)
+    assert (err.value.status, err.value.param) == (400, "n")
+    with pytest.raises(ValueError) as refused:
+        check_handoff_params(SamplingParams(prompt_logprobs=1))
+    assert request_error(refused.value).param == "prompt_logprobs"

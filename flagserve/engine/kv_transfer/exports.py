@@ -21,14 +21,16 @@ if TYPE_CHECKING:
 def check_handoff_params(params: SamplingParams) -> None:
     # Named as a client sends them: the HTTP API turns response_format and forced tool calls
     # into structured_outputs, echo with logprobs into prompt_logprobs.
+    # "SamplingParams.<field>": the HTTP error names the field (errors.request_error)
     if params.structured_outputs is not None:  # the decode side would need the matcher's state
-        raise ValueError("structured_outputs (also response_format, and tool_choice required "
-                         "or a named function) are not supported with prefill/decode "
-                         "disaggregation yet; send the request to an aggregated engine")
-    if params.prompt_logprobs is not None:  # scored on the prefill side, never handed over
-        raise ValueError("prompt_logprobs (also echo with logprobs) are not supported with "
+        raise ValueError("SamplingParams.structured_outputs (also response_format, and "
+                         "tool_choice required or a named function) are not supported with "
                          "prefill/decode disaggregation yet; send the request to an aggregated "
                          "engine")
+    if params.prompt_logprobs is not None:  # scored on the prefill side, never handed over
+        raise ValueError("SamplingParams.prompt_logprobs (also echo with logprobs) are not "
+                         "supported with prefill/decode disaggregation yet; send the request to "
+                         "an aggregated engine")
 
 
 def check_blocks_fit(state: RequestState, num_blocks: int, block_size: int,
@@ -94,7 +96,7 @@ class KVExports:
         self.handoffs.append(RequestHandoff(
             state.request_id, state.prompt, state.prompt_token_ids, state.params, seqs,
             parked[0].num_computed_tokens, len(index), self.layout, self.transport.name,
-            m.arrival_time, m.first_scheduled_time, m.first_token_time))
+            m.arrival_time, m.first_scheduled_time, m.first_token_time, parked[0].priority))
 
     def take(self) -> list[RequestHandoff]:
         out, self.handoffs = self.handoffs, []

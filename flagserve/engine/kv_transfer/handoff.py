@@ -51,6 +51,7 @@ class RequestHandoff:
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
+    priority: int = 0  # the request's (scheduling_policy "priority" on the decode side too)
 
     @property
     def block_uses(self) -> list[int]:

@@ -6,6 +6,7 @@ error in its output. An abort during a fetch frees the blocks when the fetch end
 transport is writing into them until then)."""
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,7 +46,7 @@ class KVImports:
         seqs = []
         for s in h.seqs:
             seq = Sequence(h.request_id, s.index, list(s.token_ids), len(h.prompt_token_ids),
-                           h.params, h.arrival_time, s.seed)
+                           h.params, h.arrival_time, s.seed, h.priority)
             seq.generator_state, seq.logprobs = s.generator_state, s.logprobs
             seq.cumulative_logprob = s.cumulative_logprob
             seqs.append(seq)
@@ -56,7 +57,12 @@ class KVImports:
             if seq.finish_reason is not None:
                 seq.status = SequenceStatus.FINISHED
         live = [(seq, s) for seq, s in zip(seqs, h.seqs) if not seq.is_finished]
-        self.waiting.append(Import(h, live, []))
+        imp = Import(h, live, [])
+        if e.args.scheduling_policy == "priority":  # in (priority, arrival) order, as the scheduler's
+            at = bisect.bisect_right(self.waiting, _order(imp), key=_order)
+            self.waiting.insert(at, imp)
+        else:
+            self.waiting.append(imp)
 
     def _check(self, h: RequestHandoff) -> None:
         e = self.engine
@@ -130,3 +136,7 @@ class KVImports:
         for seq, _ in imp.live:
             seq.finish_reason, seq.status = FinishReason.ABORT, SequenceStatus.FINISHED
         return True
+
+
+def _order(imp: Import) -> tuple[int, float]:
+    return imp.handoff.priority, imp.handoff.arrival_time

@@ -53,6 +53,15 @@ def _check_count(value: int | None, field: str) -> None:
         raise OpenAIError(400, f"{field} must be in [0, {MAX_LOGPROBS}]", field)
 
 
+def check_n(req: Any, info: ModelInfo) -> None:
+    """A disaggregated module's decode role takes a request's n sequences together: more than
+    it runs at once is refused before the prefill role runs the prompt."""
+    if info.max_n is not None and req.n > info.max_n:
+        raise OpenAIError(400, f"n={req.n} is more sequences than this model's decode role runs "
+                          f"at once (max_num_seqs {info.max_n}): lower n, or raise the decode "
+                          "role's max_num_seqs", "n")
+
+
 def check_priority(req: Any, info: ModelInfo) -> None:
     """vLLM's rule: a priority other than 0 needs the priority policy (else it would be unused)."""
     if not -2**63 <= req.priority < 2**63:
@@ -132,3 +141,8 @@ def check_budget(info: ModelInfo, prompt_len: int, max_tokens: int | None, what:
     if max_tokens is not None:
         return max_tokens
     return min(limit - prompt_len, cap or limit)
+
+
+def tightest(*caps: int | None) -> int | None:
+    """The tightest of the caps set (None: none is)."""
+    return min((c for c in caps if c is not None), default=None)

@@ -43,6 +43,9 @@ class ModelInfo:
     scheduling_policy: str = "fcfs"
     # the model's generation_config.json sampling fields: defaults of what a request leaves unset
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # the most sequences (n) one request may have: a decode role takes them into its batch
+    # together, at most its max_num_seqs (None: an aggregated engine queues any n)
+    max_n: int | None = None
 
 
 class EngineClient(Protocol):

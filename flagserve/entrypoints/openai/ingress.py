@@ -37,8 +37,10 @@ from flagserve.entrypoints.openai.checks import (
     check_completion,
     check_limits,
     check_list_lengths,
+    check_n,
     check_priority,
     check_token_ids,
+    tightest,
 )
 from flagserve.entrypoints.openai.drain import Drain
 from flagserve.entrypoints.openai.engine_client import (
@@ -361,6 +363,7 @@ class OpenAIIngress:
         req, route, info = await self._prepare(request, CompletionRequest)
         check_completion(req)
         check_priority(req, info)
+        check_n(req, info)
         prompts = req.prompts()
         check_limits(req, self.limits, len(prompts))
         # every value, before tokenizing
@@ -371,7 +374,7 @@ class OpenAIIngress:
         header = Header(req.response_id(rid), req.model or route.names[0])
         requests = []
         for i, ids in enumerate(token_ids):
-            asked, cap = req.budget(self.limits.max_tokens)
+            asked, cap = req.budget(self.limits.max_tokens, info.sampling_defaults.get("max_tokens"))
             max_tokens = check_budget(info, len(ids), asked, "prompt", cap, req.max_tokens_field)
             params = self._sampling(req, max_tokens, req.logprobs, info)
             requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.stream, time.time(),
@@ -389,6 +392,7 @@ class OpenAIIngress:
         req, route, info = await self._prepare(request, ChatCompletionRequest)
         top = check_chat(req)
         check_priority(req, info)
+        check_n(req, info)
         check_limits(req, self.limits)
         # every value, before tokenizing
         first = self._sampling(req, req.requested_max_tokens, top, info)
@@ -397,7 +401,7 @@ class OpenAIIngress:
         ids = await self._encode_chat(route, req, most)
         ids = first.truncated(ids, info.max_model_len)
         max_tokens = check_budget(info, len(ids), req.requested_max_tokens, "messages",
-                                  _least(self.limits.max_tokens, info.sampling_defaults.get("max_tokens")),
+                                  tightest(self.limits.max_tokens, info.sampling_defaults.get("max_tokens")),
                                   req.max_tokens_field)
         params = self._sampling(req, max_tokens, top, info)
         rid = f"chatcmpl-{uuid.uuid4().hex}"  # the engine's id: unique whatever the client sends
@@ -453,8 +457,3 @@ class OpenAIIngress:
         return JSONResponse({**self.tokenizer_infos[route.module_id],
                              "model_max_length": (await self._info(route)).max_model_len,
                              "model": model or route.names[0]})
-
-
-def _least(*caps: int | None) -> int | None:
-    """The tightest of the caps set (None: none is)."""
-    return min((c for c in caps if c is not None), default=None)

@@ -22,6 +22,7 @@ from pydantic import (
 
 from flagserve.engine.sampling_params import SamplingParams
 from flagserve.engine.structured_outputs.params import StructuredOutputsParams
+from flagserve.entrypoints.openai.checks import tightest
 from flagserve.entrypoints.openai.errors import OpenAIError
 from flagserve.entrypoints.openai.responses import StreamUsage
 from flagserve.entrypoints.openai.structured import ResponseFormat, StructuredOutputsBody, constraint
@@ -180,13 +181,16 @@ class CompletionRequest(_Request):
         response: the engine samples at least one), else max_tokens."""
         return 1 if self.echo_only else self.max_tokens
 
-    def budget(self, cap: int | None) -> tuple[int | None, int | None]:
+    def budget(self, cap: int | None, model_default: int | None = None
+               ) -> tuple[int | None, int | None]:
         """check_budget's (max_tokens, cap): the default of 16, not sent, is a cap on what
         the context leaves rather than a request for 16 (vLLM's), so a prompt cut to fit
-        (truncate_prompt_tokens: -1) is served."""
-        if "max_tokens" in self.model_fields_set:
-            return self.engine_max_tokens, cap
-        return None, min(self.max_tokens, cap or self.max_tokens)
+        (truncate_prompt_tokens: -1) is served; `max_tokens: null` is capped by the model's
+        generation_config.json max_new_tokens (`model_default`), as vLLM's."""
+        if "max_tokens" not in self.model_fields_set:
+            return None, min(self.max_tokens, cap or self.max_tokens)
+        asked = self.engine_max_tokens
+        return asked, cap if asked is not None else tightest(cap, model_default)
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
