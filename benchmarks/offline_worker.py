@@ -25,6 +25,9 @@ def load(engine: str, model: str):
 
 
 def main() -> None:
+    if len(sys.argv) != 3:  # driven by compare_vllm.py, not by hand
+        sys.exit(f"usage: {sys.argv[0]} flagserve|vllm MODEL  (requests as JSON lines on stdin; "
+                 "benchmarks/compare_vllm.py runs it)")
     engine, model = sys.argv[1], sys.argv[2]
     start = time.perf_counter()
     llm, sampling_params, prompts_of = load(engine, model)

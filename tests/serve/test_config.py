@@ -508,3 +508,12 @@ def test_load_format_reaches_the_engine_and_vllm_formats_are_noted():
     assert args["load_format"] == "dummy" and not notes
     args, notes = module("safetensors")
     assert "load_format" not in args and any("load_format=safetensors" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*/conf/*.yaml")),
+                         ids=lambda p: f"{p.parts[-3]}/{p.name}")
+def test_example_configs_write_what_conf_serve_yaml_writes(path):
+    """Hydra's settings of an example's main config are conf/serve.yaml's: a sweep with it
+    writes under exp_dir, not a multirun/ folder in the working directory."""
+    ours = yaml.safe_load((REPO / "conf" / "serve.yaml").read_text())["hydra"]
+    assert yaml.safe_load(path.read_text())["hydra"] == ours
