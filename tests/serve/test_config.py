@@ -275,6 +275,7 @@ def test_flagscale_list_form_and_plan_across_hosts(capsys, tmp_path, monkeypatch
                          f"experiment.runner.hostfile={REPO}/hostfiles/two_nodes.txt",
                          config_dir=REPO / "examples/qwen2_5/conf")
     assert code == 0, err
+    assert "plan for qwen2.5_72b_two_nodes:" in out  # a variant is an experiment of its own
     assert "replica 0 stage 0: 10.0.0.1 gpu 0,1,2,3,4,5,6,7" in out
     assert "replica 0 stage 1: 10.0.0.2 gpu 0,1,2,3,4,5,6,7" in out
     assert "weights" in out and "KV cache" in out and "assumed" in out
