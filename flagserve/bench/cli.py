@@ -1,9 +1,9 @@
 """Serving benchmark against any OpenAI-compatible endpoint (the metrics of vLLM's `bench serve`).
 
-    python benchmarks/serve.py --base-url http://127.0.0.1:8000 --model tiny-llama \
+    python benchmarks/serve.py --base-url http://127.0.0.1:8000 \
         --dataset random --num-prompts 200 --input-len 128 --output-len 64 --request-rate 20
 
-Streams every request (SSE), reports TTFT / TPOT / ITL / E2E (mean, median, p90, p99),
+Streams every request (SSE), reports TTFT / TPOT / ITL / E2E (mean, median, std, p90, p99),
 throughputs and the prefix-cache hit rate from /metrics, and writes result.json + result.png
 under --result-dir. `--baselines serving_path,prefix_caching,continuous_batching` also runs the
 in-process baselines on a local model directory (--engine-model, default the tokenizer).
