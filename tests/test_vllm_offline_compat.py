@@ -85,3 +85,20 @@ def test_sampling_params_clone_and_extra_args():
     assert params.stop == ["x"] and copied.extra_args == {"mine": 1}
     with pytest.raises(ValueError, match="extra_args"):
         SamplingParams(extra_args=[1])
+
+
+def test_reset_prefix_cache_forgets_cached_prefixes(llama_path):
+    llm = LLM(llama_path, dtype="float32")
+    prompt = "The weather today is sunny and the children play outside in the park " * 3
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.reset_prefix_cache()
+    cold = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first.outputs[0].token_ids
+    engine = llm.llm_engine
+    engine.add_request("held", prompt, GREEDY)
+    engine.step()  # it holds blocks now
+    assert not llm.reset_prefix_cache()
+    engine.abort_request("held")
+    assert llm.reset_prefix_cache()

@@ -173,6 +173,16 @@ class BlockManager:
         seq.num_hashed_blocks = shared
         self._register_full_blocks(seq, seq.num_computed_tokens // self.block_size)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's: after new weights, say, when the K/V they hold is
+        stale). Only when no sequence holds a block: False, and nothing forgotten, otherwise."""
+        if len(self.free) != self.num_blocks:
+            return False
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.reset()
+        return True
+
     def free_sequence(self, seq: Sequence) -> None:
         # Tail blocks first, so that a sequence's prefix outlives its tail in the cache;
         # blocks that can never be hit go to the front of the eviction order.

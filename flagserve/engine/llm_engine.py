@@ -289,6 +289,10 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget the cached prefixes; False (nothing done) while a request holds KV."""
+        return self.block_manager.reset_prefix_cache()
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)

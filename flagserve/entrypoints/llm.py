@@ -42,6 +42,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget the cached prefixes (new weights, a cold-cache benchmark); False, and
+        nothing done, while a request holds KV blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() sample with when given none: the model's
         generation_config.json (temperature, top_p, top_k, min_p, the penalties, max_new_tokens)
