@@ -29,8 +29,8 @@ from flagserve.engine.outputs import (
 )
 from flagserve.engine.prompt_logprobs import record_prompt_scores
 from flagserve.engine.prompts import prompt_fields
-from flagserve.engine.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams, is_int
-from flagserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from flagserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from flagserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, check_priority
 from flagserve.engine.sequence import Sequence, SequenceStatus
 from flagserve.engine.stats import EngineStats
 from flagserve.engine.step_input import StepInputBuilder
@@ -125,17 +125,21 @@ class LLMEngine:
 
     # Requests
 
-    def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int] | dict
+                  ) -> tuple[str | None, list[int], tuple[int, int]]:
         """A text, token ids, or vLLM's TextPrompt / TokensPrompt dict (a TokensPrompt's
-        `prompt` text is kept for the outputs)."""
+        `prompt` text is kept for the outputs): (text, ids, the special tokens the tokenizer
+        put around an encoded text's ids, none around given ids: what a truncation keeps)."""
         if isinstance(prompt, dict):
             text, ids = prompt_fields(prompt)
-            return (text, self.tokenizer.encode(text)) if ids is None else (text, self._ids(ids))
+            if ids is not None:
+                return text, self._ids(ids), (0, 0)
+            prompt = text
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt), special_edges(self.tokenizer)
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"a prompt is a string, token ids or a dict, got {type(prompt).__name__}")
-        return None, self._ids(prompt)
+        return None, self._ids(prompt), (0, 0)
 
     def _ids(self, prompt: list[int]) -> list[int]:
         ids = list(prompt)
@@ -154,7 +158,7 @@ class LLMEngine:
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._check_priority(priority)
+        check_priority(priority, self.args.scheduling_policy)
         # Checked again here, not only where params are built: a value the step cannot take
         # (a seed torch cannot hold, a token id past the logits) would fail the whole batch's
         # step and kill the engine; here it fails this request only.
@@ -163,10 +167,8 @@ class LLMEngine:
         params.check_vocab(vocab)
         params.bad_words_token_ids = (bad_words_token_ids(self.tokenizer, params.bad_words, vocab)
                                       if params.bad_words else None)
-        text, ids = self._tokenize(prompt)
-        encoded = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
-        ids = params.truncated(ids, self.max_model_len,
-                               special_edges(self.tokenizer) if encoded else (0, 0))
+        text, ids, edges = self._tokenize(prompt)
+        ids = params.truncated(ids, self.max_model_len, edges)
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -184,14 +186,6 @@ class LLMEngine:
             return
         for seq in seqs:
             self.scheduler.add(seq)
-
-    def _check_priority(self, priority: int) -> None:
-        if not is_int(priority, SEED_MIN, SEED_MAX):
-            raise ValueError(f"priority must be an integer in [-2**63, 2**63 - 1], got {priority!r}")
-        if priority and self.args.scheduling_policy != "priority":
-            raise ValueError(f"priority {priority} needs scheduling_policy 'priority' (the engine "
-                             "serves first come, first served): send 0, or set "
-                             "engine_args.scheduling_policy=priority")
 
     def new_request_state(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                    seqs: list[Sequence], metrics: RequestMetrics) -> RequestState:

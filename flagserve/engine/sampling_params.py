@@ -259,8 +259,7 @@ class SamplingParams:
     def kept_tokens(self, max_model_len: int) -> int | None:
         """How many prompt tokens truncate_prompt_tokens keeps (None: all)."""
         self.check_context(max_model_len)
-        keep = self.truncate_prompt_tokens
-        return max_model_len - 1 if keep == -1 else keep
+        return kept_count(self.truncate_prompt_tokens, max_model_len)
 
     def truncated(self, prompt_token_ids: list[int], max_model_len: int,
                   edges: tuple[int, int] = (0, 0)) -> list[int]:
@@ -270,6 +269,11 @@ class SamplingParams:
         if keep is None:
             return prompt_token_ids
         return cut_tokens(prompt_token_ids, keep, self.truncation_side, edges)
+
+
+def kept_count(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """truncate_prompt_tokens as a count: -1 is as many as leave room for one output token."""
+    return max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 def cut_tokens(ids: list[int], keep: int, side: TruncationSide | None,

@@ -17,6 +17,17 @@ from flagserve.engine.engine_args import SchedulingPolicy
 from flagserve.engine.sequence import Sequence, SequenceStatus
 
 
+def check_priority(priority: int, policy: SchedulingPolicy) -> None:
+    """vLLM's rule: an int64, and other than 0 only under the priority policy (where else it
+    would be unused). ValueError naming it."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -2**63 <= priority < 2**63:
+        raise ValueError(f"priority must be an integer in [-2**63, 2**63 - 1], got {priority!r}")
+    if priority and policy != "priority":
+        raise ValueError(f"priority {priority} needs scheduling_policy 'priority' (the engine "
+                         "serves first come, first served): send 0, or set "
+                         "engine_args.scheduling_policy=priority")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int

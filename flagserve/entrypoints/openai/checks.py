@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from flagserve.config.schema import ApiLimits
+from flagserve.engine import scheduler
+from flagserve.engine.sampling_params import cut_tokens, kept_count
 from flagserve.entrypoints.openai.engine_client import ModelInfo
 from flagserve.entrypoints.openai.errors import OpenAIError
 
@@ -63,13 +65,11 @@ def check_n(req: Any, info: ModelInfo) -> None:
 
 
 def check_priority(req: Any, info: ModelInfo) -> None:
-    """vLLM's rule: a priority other than 0 needs the priority policy (else it would be unused)."""
-    if not -2**63 <= req.priority < 2**63:
-        raise OpenAIError(400, "priority must be an integer in [-2**63, 2**63 - 1]", "priority")
-    if req.priority and info.scheduling_policy != "priority":
-        raise OpenAIError(400, f"priority {req.priority} needs the engine's scheduling_policy "
-                          "'priority'; this model serves first come, first served (send 0)",
-                          "priority")
+    """The engine's check (scheduler.check_priority), before anything is tokenized."""
+    try:
+        scheduler.check_priority(req.priority, info.scheduling_policy)
+    except ValueError as err:
+        raise OpenAIError(400, str(err), "priority") from None
 
 
 def check_list_lengths(body: dict[str, Any], limits: ApiLimits, max_model_len: int) -> None:
@@ -94,9 +94,10 @@ def _cut_token_prompt(body: dict[str, Any], max_model_len: int) -> None:
     prompt, keep = body.get("prompt"), body.get("truncate_prompt_tokens")
     if not (isinstance(prompt, list) and prompt and type(prompt[0]) is int and type(keep) is int):
         return
-    keep = max_model_len - 1 if keep == -1 else keep
-    if 0 < keep < len(prompt):
-        body["prompt"] = prompt[:keep] if body.get("truncation_side") == "right" else prompt[-keep:]
+    keep = kept_count(keep, max_model_len)
+    if keep > 0:  # a bad value is refused when the request is parsed
+        side = "right" if body.get("truncation_side") == "right" else "left"
+        body["prompt"] = cut_tokens(prompt, keep, side)
 
 
 def check_limits(req: Any, limits: ApiLimits, num_prompts: int = 1) -> None:

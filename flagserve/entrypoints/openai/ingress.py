@@ -373,8 +373,8 @@ class OpenAIIngress:
         rid = f"cmpl-{uuid.uuid4().hex}"  # the engine's ids: unique whatever the client sends
         header = Header(req.response_id(rid), req.model or route.names[0])
         requests = []
+        asked, cap = req.budget(self.limits.max_tokens, info.sampling_defaults.get("max_tokens"))
         for i, ids in enumerate(token_ids):
-            asked, cap = req.budget(self.limits.max_tokens, info.sampling_defaults.get("max_tokens"))
             max_tokens = check_budget(info, len(ids), asked, "prompt", cap, req.max_tokens_field)
             params = self._sampling(req, max_tokens, req.logprobs, info)
             requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.stream, time.time(),
